@@ -1,0 +1,98 @@
+"""Which backend and device each rank gets: the "auto" rules of the runtime.
+
+- no GPU (or device="cpu"): gloo, every rank on the CPU;
+- at least one GPU per rank: nccl, rank r on cuda:r;
+- fewer GPUs than ranks: ranks share GPUs (rank r on cuda:(r % G)) for compute and
+  communicate over gloo, staging tensors through host memory.
+"""
+
+import os
+import warnings
+from dataclasses import dataclass
+
+BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")
+
+# Above this many ranks per core, ranks time-share the cores so much that timings mean
+# little and collectives crawl: warn, but let the learner go on.
+RANKS_PER_CORE_WARNING = 4
+
+
+@dataclass(frozen=True)
+class Placement:
+    world_size: int
+    backend: str
+    device_type: str
+    gpu_count: int = 0
+
+    def device(self, rank):
+        """The torch device string of ``rank``."""
+        if self.device_type == "cpu":
+            return "cpu"
+        return f"cuda:{rank % self.gpu_count}"
+
+    @property
+    def host_staging(self):
+        """True when CUDA tensors travel over gloo through host memory."""
+        return self.device_type == "cuda" and self.backend == "gloo"
+
+    def describe(self):
+        if self.device_type == "cpu":
+            return f"{self.world_size} ranks on the CPU over {self.backend}"
+        if self.host_staging:
+            return (
+                f"{self.world_size} ranks sharing {self.gpu_count} GPU(s) (rank r on "
+                f"cuda:r % {self.gpu_count}), communicating over gloo with host staging"
+            )
+        return f"{self.world_size} ranks, one GPU each, over {self.backend}"
+
+
+def resolve(world_size, backend="auto", device="auto", gpu_count=None):
+    """Check the learner's choices and turn "auto" into a concrete Placement."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise ValueError(f"world_size must be a whole number of ranks, got {world_size!r}.")
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}; ask for 1 or more ranks.")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; use one of {', '.join(map(repr, BACKENDS))}.")
+    if device not in DEVICES:
+        raise ValueError(f"unknown device {device!r}; use one of {', '.join(map(repr, DEVICES))}.")
+    if gpu_count is None:
+        gpu_count = _visible_gpus()
+
+    if device == "cuda" and gpu_count == 0:
+        raise ValueError("device='cuda' but torch sees no CUDA GPU; use device='cpu' (or 'auto').")
+    if backend == "nccl":
+        if gpu_count == 0:
+            raise ValueError(
+                "backend='nccl' needs CUDA GPUs and torch sees none; use backend='gloo' or 'auto'."
+            )
+        if device == "cpu":
+            raise ValueError("backend='nccl' cannot run on device='cpu'; use backend='gloo'.")
+        if gpu_count < world_size:
+            raise ValueError(
+                f"backend='nccl' needs one GPU per rank: {world_size} ranks but {gpu_count} "
+                "GPU(s); use backend='auto' to share GPUs over gloo, or fewer ranks."
+            )
+
+    device_type = "cuda" if gpu_count and device != "cpu" else "cpu"
+    if backend == "auto":
+        backend = "nccl" if device_type == "cuda" and gpu_count >= world_size else "gloo"
+    placement = Placement(world_size, backend, device_type, gpu_count if device_type == "cuda" else 0)
+
+    cores = os.cpu_count() or 1
+    if world_size > RANKS_PER_CORE_WARNING * cores:
+        warnings.warn(
+            f"world_size={world_size} on {cores} CPU core(s): ranks will time-share the cores, "
+            "so runs are slow and timings meaningless; fewer ranks give the same numbers faster.",
+            stacklevel=3,
+        )
+    if placement.host_staging:
+        warnings.warn(f"{placement.describe()}.", stacklevel=3)
+    return placement
+
+
+def _visible_gpus():
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -1,0 +1,188 @@
+"""One rank of a parlab.Cluster: a process that joins the process group once, then runs
+whatever functions the parent sends, until told to exit or the parent disappears.
+
+Started by the parent as ``python -m parlab.runtime.worker`` with its settings in the
+PARLAB_WORKER environment variable (JSON) and a socket to the parent on file descriptor
+``conn_fd``. Messages both ways are pickled tuples:
+
+    parent -> worker   ("run", call_id, payload, traced) | ("reinit", generation) | ("exit",)
+    worker -> parent   ("ready", rank) | ("out", stream, text) |
+                       ("done", call_id, ok, result_or_traceback, events)
+"""
+
+import faulthandler
+import json
+import os
+import pickle
+import select
+import signal
+import sys
+import threading
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+# Gloo waits this long inside a collective before giving up. The cluster's own call timeout
+# is what normally ends a hang; this only keeps an abandoned worker from waiting forever.
+PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
+
+
+def main():
+    config = json.loads(os.environ.pop("PARLAB_WORKER"))
+    for path in reversed(config["sys_path"]):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    _watch_parent(config["parent_pid"])
+    stack_file = open(config["stack_file"], "w")
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+
+    conn = Connection(config["conn_fd"])
+    rank = config["rank"]
+    try:
+        _init_process_group(config, config["generation"])
+    except BaseException:
+        conn.send_bytes(pickle.dumps(("failed", rank, traceback.format_exc())))
+        return
+    conn.send_bytes(pickle.dumps(("ready", rank)))
+    _serve(conn, config)
+
+
+def _serve(conn, config):
+    from parlab import trace
+
+    lock = threading.Lock()
+
+    def reply(message):
+        data = pickle.dumps(message)
+        with lock:
+            conn.send_bytes(data)
+
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except EOFError:
+            return
+        if message[0] == "exit":
+            _destroy_process_group()
+            return
+        if message[0] == "reinit":
+            try:
+                _destroy_process_group()
+                _init_process_group(config, message[1])
+            except BaseException:
+                reply(("failed", config["rank"], traceback.format_exc()))
+                return
+            reply(("ready", config["rank"]))
+            continue
+        _, call_id, payload, traced = message
+        out, err = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = _Stream("stdout", reply), _Stream("stderr", reply)
+        if traced:
+            trace.start(config["rank"])
+        try:
+            ok, result = _run_call(payload)
+        finally:
+            events = trace.stop() if traced else []
+            sys.stdout, sys.stderr = out, err
+        reply(("done", call_id, ok, result, events))
+
+
+class _Stream:
+    """Stands in for sys.stdout/sys.stderr during a call: forwards each write to the parent,
+    which prints it after the call, prefixed with the rank, in rank order."""
+
+    encoding = "utf-8"
+
+    def __init__(self, name, reply):
+        self.name, self._reply = name, reply
+
+    def write(self, text):
+        if text:
+            self._reply(("out", self.name, text))
+        return len(text)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return False
+
+
+def _run_call(payload):
+    """Unpickle and call the function; returns (True, pickled result) or (False, traceback)."""
+    import cloudpickle
+
+    try:
+        fn, args, kwargs = cloudpickle.loads(payload)
+    except BaseException as exc:
+        return False, _format_failure(exc, "The function could not be unpickled on this rank: ")
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as exc:
+        return False, _format_failure(exc)
+    try:
+        return True, cloudpickle.dumps(result)
+    except BaseException as exc:
+        return False, _format_failure(
+            exc,
+            "The function's return value could not be sent back to the parent: return tensors, "
+            "numbers, or lists and dicts of them, not open files, locks or generators. ",
+        )
+
+
+def _format_failure(exc, explanation=""):
+    """The traceback as the learner wants it: from their function down, without our loop."""
+    tb = exc.__traceback__.tb_next if exc.__traceback__ else None
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    return text + (f"\n{explanation}\n" if explanation else "")
+
+
+def _init_process_group(config, generation):
+    import torch
+    import torch.distributed as dist
+
+    from parlab.runtime.context import set_device
+
+    rank, world_size = config["rank"], config["world_size"]
+    device = "cpu" if config["device_type"] == "cpu" else f"cuda:{rank % config['gpu_count']}"
+    set_device(device)
+    if config["device_type"] == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # Ranks share the machine's cores; more intra-op threads than cores only thrash.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    store = dist.TCPStore(
+        "127.0.0.1", config["store_port"], world_size, is_master=False, timeout=timedelta(seconds=60)
+    )
+    dist.init_process_group(
+        config["backend"],
+        store=dist.PrefixStore(f"generation{generation}", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=PROCESS_GROUP_TIMEOUT,
+        device_id=torch.device(device) if config["backend"] == "nccl" else None,
+    )
+
+
+def _destroy_process_group():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _watch_parent(parent_pid):
+    """Exit as soon as the parent is gone: its end of our stdin closes (EOF) when it dies,
+    however it dies; re-parenting is the fallback if another process holds the pipe."""
+
+    def watch():
+        while True:
+            readable, _, _ = select.select([sys.stdin], [], [], 1.0)
+            if readable and not os.read(sys.stdin.fileno(), 1):
+                os._exit(1)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parlab-parent-watch", daemon=True).start()
+
+
+if __name__ == "__main__":
+    main()
