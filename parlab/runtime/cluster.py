@@ -111,8 +111,14 @@ class Cluster:
 
         failures = {rank: detail for rank, (ok, detail, _) in done.items() if not ok}
         if failures:
-            if not stuck:
-                self._pool.reinit()  # a failed call may leave unmatched messages in the group
+            # A failed call may leave unmatched messages in the process group: rebuild it,
+            # in the same processes when all are alive (fast), else with new ones.
+            if stuck:
+                pass  # _stop_stuck_ranks already replaced every worker
+            elif self._pool.all_alive():
+                self._pool.reinit()
+            else:
+                self._pool.restart()
             raise RankError(failures, stuck)
         if stuck:
             raise RankTimeout(timeout, stuck, finished=done)

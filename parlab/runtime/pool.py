@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection, wait
 
 import parlab
 
-STACK_DUMP_WAIT_S = 1.0
+STACK_DUMP_WAIT_S = 2.0
 EXIT_WAIT_S = 5.0
 
 
@@ -51,12 +51,15 @@ class WorkerPool:
         """Start one generation of workers (does not wait for them to join)."""
         self._generation += 1
         self._procs, self._conns, self._ready = [], [], set()
+        # Fixed for the life of these processes, whatever reinit() does to the generation.
+        self._logs = [self._path(rank, "log") for rank in range(self.placement.world_size)]
+        self._stacks = [self._path(rank, "stack") for rank in range(self.placement.world_size)]
         for rank in range(self.placement.world_size):
             parent_end, child_end = socket.socketpair()
             proc = subprocess.Popen(
                 [sys.executable, "-m", "parlab.runtime.worker"],
                 stdin=subprocess.PIPE,
-                stdout=open(self._path(rank, "log"), "wb"),
+                stdout=open(self._logs[rank], "wb"),
                 stderr=subprocess.STDOUT,
                 pass_fds=(child_end.fileno(),),
                 env=self._environment(rank, child_end.fileno()),
@@ -106,6 +109,9 @@ class WorkerPool:
     def rank_of(self, conn):
         return self._conns.index(conn)
 
+    def all_alive(self):
+        return all(proc.poll() is None for proc in self._procs)
+
     def reinit(self):
         """Rebuild the process group in the same processes (after a failed call that left
         every rank responsive): cheap, and drops any message still in flight."""
@@ -122,14 +128,14 @@ class WorkerPool:
     def dump_stacks(self, ranks):
         """Ask the given ranks for their Python stacks (faulthandler on SIGUSR1), all at once;
         a dump is complete when its file has stopped growing."""
-        offsets = {rank: _size(self._path(rank, "stack")) for rank in ranks}
+        offsets = {rank: _size(self._stacks[rank]) for rank in ranks}
         for rank in ranks:
             _signal(self._procs[rank], signal.SIGUSR1)
         stacks = {rank: "" for rank in ranks}
         deadline = time.monotonic() + STACK_DUMP_WAIT_S
         while time.monotonic() < deadline:
             time.sleep(0.05)
-            latest = {rank: _read_from(self._path(rank, "stack"), offsets[rank]) for rank in ranks}
+            latest = {rank: _read_from(self._stacks[rank], offsets[rank]) for rank in ranks}
             settled = all(latest[rank] and latest[rank] == stacks[rank] for rank in ranks)
             stacks = latest
             if settled:
@@ -142,7 +148,7 @@ class WorkerPool:
             code = proc.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
             code = None
-        log = _read_from(self._path(rank, "log"), 0)[-3000:]
+        log = _read_from(self._logs[rank], 0)[-3000:]
         how = "closed its connection" if code is None else f"exited with code {code}"
         if code is not None and code < 0:
             how += f" ({signal.Signals(-code).name})"
@@ -194,7 +200,7 @@ class WorkerPool:
                 "generation": self._generation,
                 "conn_fd": conn_fd,
                 "parent_pid": os.getpid(),
-                "stack_file": self._path(rank, "stack"),
+                "stack_file": self._stacks[rank],
                 "sys_path": [p for p in sys.path if p],
             }
         )

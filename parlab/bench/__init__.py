@@ -1,0 +1,61 @@
+"""Measurements on this machine, run as ``parlab bench NAME [--json]``.
+
+Each bench is a module of this package registered in ``parlab.cli.BENCHES``. It provides
+
+- a docstring whose first line is the bench's one-line help,
+- ``add_arguments(parser)``: its own options (the command line adds ``--json`` to all),
+- ``run(args) -> dict``: measure, and return a JSON-ready dict (times in seconds),
+- ``format_report(result) -> str``: the same result as a table for people.
+
+The helpers below keep every bench's output looking alike.
+"""
+
+import argparse
+import json
+import math
+
+
+def positive_int(text):
+    """argparse type for a count of ranks or repeats: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
+def percentile(values, q):
+    """The nearest-rank ``q``-th percentile (0 < q <= 100): the smallest value that at least
+    q percent of ``values`` do not exceed. Needs no interpolation, so it works from one value."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def format_seconds(seconds):
+    """A duration in the unit that reads best: ``850 µs``, ``1.23 ms``, ``6.31 s``."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.2f} s"
+
+
+def format_table(headers, rows):
+    """A plain-text table: the first column left-aligned (the names), the others
+    right-aligned (the numbers), columns two spaces apart. Cells are turned into text."""
+    lines = [list(map(str, headers))] + [list(map(str, row)) for row in rows]
+    widths = [max(len(line[col]) for line in lines) for col in range(len(headers))]
+    return "\n".join(
+        "  ".join(
+            cell.ljust(width) if col == 0 else cell.rjust(width)
+            for col, (cell, width) in enumerate(zip(line, widths))
+        ).rstrip()
+        for line in lines
+    )
+
+
+def to_json(result):
+    """The result of a bench as one indented JSON object (what ``--json`` prints)."""
+    return json.dumps(result, indent=2)

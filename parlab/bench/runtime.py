@@ -1,0 +1,149 @@
+"""Dispatch cost: one call on a persistent parlab.Cluster vs a fresh torch.multiprocessing.spawn.
+
+A notebook cell that spawned its ranks afresh would pay, every time, for starting
+``world_size`` Python processes, importing torch in each and joining a process group. A
+Cluster pays that once (``cluster_start_s``); after that a call only ships the function to
+the ranks and collects their answers. Both sides run the same trivial function on ranks
+joined in a gloo process group on the CPU, so the difference is the runtime alone.
+
+Result (seconds): ``cluster_median_s`` and ``cluster_p90_s`` over ``repeats`` calls after
+``WARMUP_CALLS`` unmeasured ones; ``spawn_median_s`` over ``spawn_repeats`` spawns, process
+group set-up included; ``ratio = spawn_median_s / cluster_median_s``.
+"""
+
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import parlab
+from parlab.bench import format_seconds, format_table, percentile, positive_int
+
+# The first calls on a new cluster are slower (first unpickling, lazy imports on the ranks).
+WARMUP_CALLS = 3
+STORE_TIMEOUT = timedelta(seconds=60)
+
+
+def add_arguments(parser):
+    parser.add_argument("--world-size", type=positive_int, default=4, metavar="N", help="number of ranks (default 4)")
+    parser.add_argument(
+        "--repeats", type=positive_int, default=50, metavar="N", help="measured calls on the cluster (default 50)"
+    )
+    parser.add_argument(
+        "--spawn-repeats", type=positive_int, default=3, metavar="N", help="measured fresh spawns (default 3)"
+    )
+
+
+def run(args):
+    return bench_runtime(args.world_size, args.repeats, args.spawn_repeats)
+
+
+def bench_runtime(world_size=4, repeats=50, spawn_repeats=3):
+    """Time a trivial function on ``world_size`` ranks, dispatched to a persistent Cluster
+    and run by a fresh ``torch.multiprocessing.spawn``, in one run; returns the result dict
+    described in the module docstring. Progress goes to stderr."""
+    if repeats < 1 or spawn_repeats < 1:
+        raise ValueError(
+            f"repeats and spawn_repeats must be at least 1, got {repeats} and {spawn_repeats}; "
+            "a median needs one measurement or more."
+        )
+    cluster_start, cluster_times = _time_cluster(world_size, repeats)
+    spawn_times = _time_spawn(world_size, spawn_repeats)
+    cluster_median = statistics.median(cluster_times)
+    spawn_median = statistics.median(spawn_times)
+    return {
+        "bench": "runtime",
+        "world_size": world_size,
+        "backend": "gloo",
+        "repeats": repeats,
+        "spawn_repeats": spawn_repeats,
+        "torch_version": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "cluster_start_s": cluster_start,
+        "cluster_median_s": cluster_median,
+        "cluster_p90_s": percentile(cluster_times, 90),
+        "spawn_median_s": spawn_median,
+        "ratio": spawn_median / cluster_median,
+    }
+
+
+def format_report(result):
+    table = format_table(
+        ["trivial function on every rank", "median", "p90", "runs"],
+        [
+            [
+                "persistent parlab.Cluster.run",
+                format_seconds(result["cluster_median_s"]),
+                format_seconds(result["cluster_p90_s"]),
+                result["repeats"],
+            ],
+            [
+                "fresh torch.multiprocessing.spawn",
+                format_seconds(result["spawn_median_s"]),
+                "-",
+                result["spawn_repeats"],
+            ],
+        ],
+    )
+    return (
+        f"parlab bench runtime: {result['world_size']} ranks over {result['backend']} on the CPU, "
+        f"torch {result['torch_version']}, {result['cpu_count']} CPU cores\n\n"
+        f"{table}\n\n"
+        f"spawn / cluster: {result['ratio']:,.0f}x; "
+        f"the cluster started once, in {format_seconds(result['cluster_start_s'])}."
+    )
+
+
+def trivial_work():
+    """The function both sides run on every rank: next to nothing, so only dispatch counts."""
+    return dist.get_rank()
+
+
+def _time_cluster(world_size, repeats):
+    """(start-up time, per-call times) of a persistent Cluster on the CPU."""
+    _progress(f"starting a {world_size}-rank parlab.Cluster ...")
+    start = time.perf_counter()
+    with parlab.Cluster(world_size, device="cpu") as cluster:
+        start_up = time.perf_counter() - start
+        _progress(f"timing {repeats} calls on it ...")
+        for _ in range(WARMUP_CALLS):
+            cluster.run(trivial_work)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            cluster.run(trivial_work)
+            times.append(time.perf_counter() - start)
+    return start_up, times
+
+
+def _time_spawn(world_size, spawn_repeats):
+    """Per-run times of spawning ``world_size`` fresh processes that join a gloo process
+    group and run ``trivial_work``. The rendezvous store lives in this process on a port the
+    OS picks, as in a Cluster, so runs never collide on a port."""
+    times = []
+    for attempt in range(1, spawn_repeats + 1):
+        _progress(f"fresh torch.multiprocessing.spawn of {world_size} processes: run {attempt}/{spawn_repeats} ...")
+        start = time.perf_counter()
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT
+        )
+        mp.spawn(_spawned_rank, args=(world_size, store.port), nprocs=world_size)
+        times.append(time.perf_counter() - start)
+        del store
+    return times
+
+
+def _spawned_rank(rank, world_size, store_port):
+    store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False, timeout=STORE_TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    trivial_work()
+    dist.destroy_process_group()
+
+
+def _progress(message):
+    print(f"parlab bench runtime: {message}", file=sys.stderr, flush=True)

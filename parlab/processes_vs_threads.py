@@ -1,0 +1,136 @@
+"""Why one process per replica beats one thread per replica: the GIL, measured on the CPU.
+
+``nn.DataParallel`` drives K model replicas from K threads of one Python process. Each
+replica's training step spends much of its time in the Python interpreter (module calls,
+hooks, the optimizer loop), and only one thread at a time may run Python bytecode: the
+global interpreter lock (GIL) serialises that part. DistributedDataParallel runs one
+process per replica, each with its own interpreter and its own GIL.
+
+This module measures that effect without a GPU. A *replica* trains its own copy of a model
+of many small layers (``make_model``) for a fixed number of steps on one intra-op thread,
+so a step costs mostly Python overhead rather than arithmetic. K replicas run either
+
+- in K threads of this process (``threads_throughput``), or
+- in K ranks of a ``parlab.Cluster`` (``processes_throughput``),
+
+and the result is the throughput: replica-steps per second of wall-clock time, from the
+moment all replicas start until the last one finishes. Ideal scaling is K times the K=1
+throughput, capped by the number of CPU cores.
+"""
+
+import threading
+import time
+
+import torch
+from torch import nn
+
+DEPTH, WIDTH, BATCH = 48, 16, 8
+WARMUP_STEPS = 5
+LEARNING_RATE = 1e-3
+
+
+def make_model(depth=DEPTH, width=WIDTH):
+    """``depth`` blocks of Linear(width, width) + Tanh: many tiny layers, so Python dominates."""
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def train_replica(steps, seed=0, start_together=None):
+    """Train one replica for ``steps`` SGD steps on random data, after a short warm-up.
+
+    ``start_together`` (a barrier's wait) is called between warm-up and the timed steps, so
+    that all replicas start timing at about the same moment. Returns ``(start_ns, end_ns)`` of the timed steps on ``time.perf_counter_ns``, a clock
+    that all processes of one host share, so intervals from different ranks line up.
+    """
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(seed)
+    model = make_model()
+    parameters = list(model.parameters())
+    x = torch.randn(BATCH, WIDTH, generator=generator)
+    y = torch.randn(BATCH, WIDTH, generator=generator)
+
+    def step():
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        # Plain SGD, one parameter at a time in Python, as torch.optim.SGD(foreach=False)
+        # does; torch.optim itself is avoided because its first use imports torch._dynamo
+        # (seconds per process).
+        with torch.no_grad():
+            for p in parameters:
+                p -= LEARNING_RATE * p.grad
+                p.grad = None
+
+    for _ in range(WARMUP_STEPS):
+        step()
+    if start_together is not None:
+        start_together()
+    start = time.perf_counter_ns()
+    for _ in range(steps):
+        step()
+    return start, time.perf_counter_ns()
+
+
+def threads_throughput(replicas, steps):
+    """Replica-steps per second for ``replicas`` threads of this process, each training
+    its own replica for ``steps`` steps (the nn.DataParallel arrangement, minus the
+    scatter/replicate/gather it also pays every step)."""
+    intervals = [None] * replicas
+    barrier = threading.Barrier(replicas)
+
+    def worker(index):
+        intervals[index] = train_replica(steps, seed=index, start_together=barrier.wait)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(replicas)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return _throughput(intervals, steps)
+
+
+def processes_throughput(cluster, replicas, steps):
+    """Replica-steps per second for ``replicas`` ranks of ``cluster`` (one process each,
+    the DDP arrangement), each training its own replica for ``steps`` steps. Ranks at or
+    above ``replicas`` sit the measurement out."""
+    if not 1 <= replicas <= cluster.world_size:
+        raise ValueError(
+            f"replicas={replicas} needs 1 to {cluster.world_size} ranks; "
+            f"ask for at most world_size={cluster.world_size} replicas."
+        )
+    intervals = cluster.run(_train_on_rank, replicas, steps)
+    return _throughput([interval for interval in intervals if interval is not None], steps)
+
+
+def _train_on_rank(replicas, steps):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if rank >= replicas:
+        dist.barrier()
+        return None
+    # All ranks leave the barrier at about the same moment: a common start for the timing.
+    return train_replica(steps, seed=rank, start_together=dist.barrier)
+
+
+def _throughput(intervals, steps):
+    start = min(interval[0] for interval in intervals)
+    end = max(interval[1] for interval in intervals)
+    return len(intervals) * steps / ((end - start) / 1e9)
+
+
+def compare(cluster, replica_counts=(1, 2, 4), steps=40, repeats=3):
+    """Measure both arrangements for each K in ``replica_counts``.
+
+    Each measurement is repeated ``repeats`` times and the best kept (as ``timeit`` does):
+    other programs on the machine can only slow a run down, never speed it up. Returns
+    ``{"threads": [...], "processes": [...]}``, throughputs in replica-steps per second,
+    one per K, in the order of ``replica_counts``.
+    """
+    return {
+        "threads": [max(threads_throughput(k, steps) for _ in range(repeats)) for k in replica_counts],
+        "processes": [
+            max(processes_throughput(cluster, k, steps) for _ in range(repeats)) for k in replica_counts
+        ],
+    }

@@ -1,0 +1,18 @@
+"""Shared clusters: starting ranks costs seconds, so tests of the same world size share one.
+Tests that break a cluster on purpose rely on it repairing itself, which they also check."""
+
+import pytest
+
+import parlab
+
+
+@pytest.fixture(scope="session")
+def cluster2():
+    with parlab.Cluster(world_size=2, timeout=60) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def cluster4():
+    with parlab.Cluster(world_size=4, timeout=60) as cluster:
+        yield cluster

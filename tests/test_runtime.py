@@ -1,0 +1,270 @@
+"""The cluster runtime: results, output, failures, hangs, repair, placement, no orphans."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import parlab
+from parlab.runtime.placement import resolve
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def rank_and_sum(offset, scale=1):
+    tensor = torch.tensor([float(dist.get_rank() + offset)])
+    dist.all_reduce(tensor)
+    return dist.get_rank(), dist.get_world_size(), tensor.item() * scale
+
+
+def all_reduce_ranks():
+    tensor = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(tensor)
+    return tensor.item()
+
+
+def expected_sum(world_size):
+    return world_size * (world_size - 1) / 2
+
+
+def test_results_come_back_in_rank_order_with_args_and_kwargs(cluster4):
+    results = cluster4.run(rank_and_sum, 1, scale=2)
+    assert results == [(r, 4, 2 * (expected_sum(4) + 4)) for r in range(4)]
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_launch_at_other_world_sizes(world_size):
+    assert parlab.launch(all_reduce_ranks, world_size) == [expected_sum(world_size)] * world_size
+
+
+def test_function_defined_in_main_travels_by_value(cluster2):
+    # A notebook cell defines functions in __main__, which the workers cannot import.
+    namespace = {"__name__": "__main__"}
+    exec("import torch.distributed as dist\ndef cell_fn(x):\n    return x * 10 + dist.get_rank()", namespace)
+    assert namespace["cell_fn"].__module__ == "__main__"
+    assert cluster2.run(namespace["cell_fn"], 4) == [40, 41]
+
+
+def test_closures_and_lambdas(cluster2):
+    base = 7
+    assert cluster2.run(lambda: base + dist.get_rank()) == [7, 8]
+
+
+def test_output_is_printed_in_rank_order_with_prefix(cluster4, capsys):
+    def talk():
+        rank = dist.get_rank()
+        time.sleep(0.05 * (3 - rank))  # rank 3 speaks first
+        print(f"hello from {rank}")
+        print(f"warning from {rank}", file=sys.stderr)
+        print("line one\nline two")
+
+    cluster4.run(talk)
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [
+        line for r in range(4) for line in (f"[rank {r}] hello from {r}", f"[rank {r}] line one", f"[rank {r}] line two")
+    ]
+    assert err.splitlines() == [f"[rank {r}] warning from {r}" for r in range(4)]
+
+
+def fail_on_rank_1():
+    if dist.get_rank() == 1:
+        raise ValueError("rank one is unhappy")
+    return dist.get_rank()
+
+
+def test_rank_error_names_the_failing_rank_and_carries_its_traceback(cluster2):
+    with pytest.raises(parlab.RankError) as info:
+        cluster2.run(fail_on_rank_1)
+    assert info.value.ranks == [1]
+    assert "rank 1 failed: ValueError: rank one is unhappy" in str(info.value)
+    assert "fail_on_rank_1" in info.value.failures[1]  # the remote traceback
+    assert "worker.py" not in info.value.failures[1]  # without the runtime's own frames
+    assert cluster2.run(all_reduce_ranks) == [1.0, 1.0]
+
+
+def test_failure_while_others_wait_in_a_collective(cluster4):
+    def fail_before_barrier():
+        if dist.get_rank() == 2:
+            raise RuntimeError("no barrier for me")
+        dist.barrier()
+
+    old_pids = cluster4.pids
+    start = time.monotonic()
+    with pytest.raises(parlab.RankError) as info:
+        cluster4.run(fail_before_barrier)
+    assert time.monotonic() - start < 10
+    assert info.value.ranks == [2]
+    assert sorted(info.value.stuck) == [0, 1, 3]
+    assert all("barrier" in stack for stack in info.value.stuck.values())
+    assert cluster4.run(all_reduce_ranks) == [6.0] * 4
+    assert not any(_alive(pid) for pid in old_pids)
+
+
+def test_every_rank_failing_keeps_the_workers(cluster2):
+    pids = cluster2.pids
+    with pytest.raises(parlab.RankError) as info:
+        cluster2.run(lambda: 1 / 0)
+    assert info.value.ranks == [0, 1]
+    assert cluster2.run(all_reduce_ranks) == [1.0, 1.0]
+    assert cluster2.pids == pids  # repaired by rebuilding the process group, not respawning
+
+
+def deadlock():
+    if dist.get_rank() == 0:
+        dist.recv(torch.zeros(1), src=1)  # rank 1 never sends
+    return dist.get_rank()
+
+
+def test_hang_becomes_rank_timeout_and_the_next_run_works(cluster2):
+    old_pids = cluster2.pids
+    start = time.monotonic()
+    with pytest.raises(parlab.RankTimeout) as info:
+        cluster2.run(deadlock, timeout=5)
+    assert time.monotonic() - start < 10
+    assert info.value.ranks == [0] and info.value.finished == [1]
+    assert "deadlock" in info.value.stuck[0] and "recv" in info.value.stuck[0]
+    assert cluster2.run(all_reduce_ranks) == [1.0, 1.0]
+    assert not any(_alive(pid) for pid in old_pids)
+
+
+def test_a_worker_that_dies_is_reported_and_replaced(cluster2):
+    def die():
+        if dist.get_rank() == 1:
+            os._exit(3)
+        dist.barrier()
+
+    with pytest.raises(parlab.RankError) as info:
+        cluster2.run(die)
+    assert "exited with code 3" in info.value.failures[1]
+    assert cluster2.run(all_reduce_ranks) == [1.0, 1.0]
+
+
+def test_a_function_that_cannot_be_shipped_is_a_value_error(cluster2):
+    lock = threading.Lock()
+    with pytest.raises(ValueError, match="cannot be sent to the workers"):
+        cluster2.run(lambda: lock.locked())
+
+
+def test_a_result_that_cannot_come_back_is_explained(cluster2):
+    with pytest.raises(parlab.RankError, match="return value could not be sent back"):
+        cluster2.run(lambda: threading.Lock())
+    assert cluster2.run(lambda: "fine") == ["fine", "fine"]
+
+
+def test_not_a_function(cluster2):
+    with pytest.raises(ValueError, match="needs a function"):
+        cluster2.run(42)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"world_size": 0}, "at least 1"),
+        ({"world_size": -2}, "at least 1"),
+        ({"world_size": 2.5}, "whole number"),
+        ({"world_size": "4"}, "whole number"),
+        ({"world_size": 2, "backend": "mpi"}, "unknown backend"),
+        ({"world_size": 2, "device": "tpu"}, "unknown device"),
+    ],
+)
+def test_bad_arguments_are_value_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        parlab.Cluster(**kwargs)
+
+
+def test_gpu_requests_without_gpus_are_value_errors():
+    with pytest.raises(ValueError, match="backend='nccl' needs CUDA GPUs"):
+        resolve(2, backend="nccl", gpu_count=0)
+    with pytest.raises(ValueError, match="device='cuda'"):
+        resolve(2, device="cuda", gpu_count=0)
+    with pytest.raises(ValueError, match="one GPU per rank"):
+        resolve(4, backend="nccl", gpu_count=2)
+
+
+def test_auto_placement_rules():
+    assert resolve(4, gpu_count=0) == resolve(4, backend="gloo", device="cpu", gpu_count=8)
+    assert resolve(4, gpu_count=0).backend == "gloo"
+    on_gpus = resolve(4, gpu_count=4)
+    assert (on_gpus.backend, on_gpus.device(3)) == ("nccl", "cuda:3")
+    with pytest.warns(UserWarning, match="host staging"):
+        shared = resolve(4, gpu_count=2)
+    assert (shared.backend, shared.host_staging, shared.device(3)) == ("gloo", True, "cuda:1")
+
+
+def test_far_more_ranks_than_cores_warns_but_is_allowed():
+    with pytest.warns(UserWarning, match="time-share the cores"):
+        placement = resolve(4 * (os.cpu_count() or 1) + 1, gpu_count=0)
+    assert placement.backend == "gloo"
+
+
+def test_two_clusters_at_once(cluster2):
+    with parlab.Cluster(world_size=2) as other:
+        assert other.run(all_reduce_ranks) == cluster2.run(all_reduce_ranks) == [1.0, 1.0]
+
+
+def test_close_leaves_no_processes_and_refuses_more_work():
+    cluster = parlab.Cluster(world_size=2)
+    pids = cluster.pids
+    cluster.close()
+    cluster.close()
+    assert not any(_alive(pid) for pid in pids)
+    assert "closed" in repr(cluster)
+    with pytest.raises(RuntimeError, match="closed"):
+        cluster.run(all_reduce_ranks)
+
+
+def test_workers_die_with_their_parent(tmp_path):
+    # A kernel restart kills the parent without any chance to clean up.
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, parlab
+        cluster = parlab.Cluster(world_size=2)
+        print(*cluster.pids, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == -signal.SIGKILL
+    pids = [int(pid) for pid in result.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids)
+
+
+def test_launch_runs_in_process_under_torchrun(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import os, torch, torch.distributed as dist, parlab
+
+        def step():
+            t = torch.tensor([float(dist.get_rank())])
+            dist.all_reduce(t)
+            return os.getpid(), t.item()
+
+        results = parlab.launch(step, world_size=8)  # torchrun's world size wins
+        if int(os.environ["RANK"]) == 0:
+            print("pids", results[0][0] == os.getpid(), "sums", [r[1] for r in results])
+    """))
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    result = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", str(script)],
+        capture_output=True, text=True, timeout=90,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "pids True sums [1.0, 1.0]" in result.stdout
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return "\nState:\tZ" not in status.read()
+    except FileNotFoundError:
+        return False
