@@ -40,8 +40,9 @@ def build_parser():
     benches = bench_parser.add_subparsers(dest="bench", required=True, metavar="NAME")
     for name, module in BENCHES.items():
         summary = module.__doc__.strip().splitlines()[0]
-        bench = benches.add_parser(name, help=summary, description=module.__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-        bench.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
+        bench = benches.add_parser(
+            name, help=summary, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+        bench.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
         module.add_arguments(bench)
     return parser

@@ -11,6 +11,12 @@ import sys
 import time
 import warnings
 
+import torch
+import torch.distributed as dist
+
+import parlab
+from parlab.runtime import placement
+
 OK, PROBLEM, INFO = "OK", "PROBLEM", "INFO"
 
 MINIMUM_PYTHON = (3, 10)
@@ -24,39 +30,31 @@ OFFICIAL_TORCH = "install the official torch wheel (pip install 'torch>=2.4,<2.1
 def check_python():
     version = platform.python_version()
     if sys.version_info < MINIMUM_PYTHON:
-        return PROBLEM, f"Python {version}: parlab needs Python 3.10 or newer; create an environment with a newer Python."
+        needed = ".".join(map(str, MINIMUM_PYTHON))
+        return PROBLEM, f"Python {version}: parlab needs {needed} or newer; use a newer one."
     return OK, f"Python {version} ({sys.executable})"
 
 
 def check_torch():
-    import torch
-
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only build"
     if torch.__version__ < MINIMUM_TORCH:
-        return PROBLEM, f"torch {torch.__version__} is too old: parlab needs {MINIMUM_TORCH} or newer; {OFFICIAL_TORCH}."
+        return PROBLEM, f"torch {torch.__version__} is older than {MINIMUM_TORCH}; {OFFICIAL_TORCH}."
     return OK, f"torch {torch.__version__} ({build})"
 
 
 def check_distributed():
-    import torch.distributed as dist
-
     if not dist.is_available():
         return PROBLEM, f"this torch build has no torch.distributed; {OFFICIAL_TORCH}."
     return OK, "torch.distributed is available"
 
 
 def check_gloo():
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_gloo_available()):
-        return PROBLEM, f"the gloo backend is missing, and every CPU lecture runs on it; {OFFICIAL_TORCH}."
+        return PROBLEM, f"the gloo backend is missing, and CPU ranks need it; {OFFICIAL_TORCH}."
     return OK, "gloo backend is available (CPU ranks)"
 
 
 def check_nccl():
-    import torch
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_nccl_available():
         return OK, "nccl backend is available (one GPU per rank)"
     if not torch.cuda.is_available():
@@ -68,8 +66,6 @@ def check_nccl():
 
 
 def check_gpus():
-    import torch
-
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
         return INFO, "no CUDA GPU: ranks run on the CPU over gloo, which every lecture supports"
@@ -84,32 +80,37 @@ def check_cpus():
 def check_widget_extension(labextension_dirs=None):
     """Look for the ipywidgets JupyterLab extension in ``labextension_dirs`` (default: the
     ``labextensions`` folders of every Jupyter data path)."""
-    install = "pip install 'ipywidgets>=8,<9' jupyterlab_widgets in the environment that runs JupyterLab, then restart JupyterLab"
+    install = (
+        "pip install 'ipywidgets>=8,<9' jupyterlab_widgets in the environment that runs "
+        "JupyterLab, then restart JupyterLab"
+    )
     if labextension_dirs is None:
         try:
             from jupyter_core.paths import jupyter_path
         except ImportError:
-            return PROBLEM, f"JupyterLab is not installed, so the lecture notebooks cannot open; pip install jupyterlab, then {install}."
+            return PROBLEM, f"JupyterLab is not installed, so the notebooks cannot open; {install}."
         labextension_dirs = jupyter_path("labextensions")
     for folder in labextension_dirs:
         if os.path.isdir(os.path.join(folder, WIDGET_EXTENSION)):
             return OK, f"ipywidgets JupyterLab extension found in {folder}"
-    return PROBLEM, f"the ipywidgets JupyterLab extension (@jupyter-widgets/jupyterlab-manager) is missing, so sliders show as text; {install}."
+    return PROBLEM, (
+        "the ipywidgets JupyterLab extension (@jupyter-widgets/jupyterlab-manager) is missing, "
+        f"so sliders show as plain text; {install}."
+    )
 
 
 def check_all_reduce():
     """A 2-rank all_reduce through ``parlab.launch``: each rank gives rank + 1, all get 3."""
-    import parlab
-    from parlab.runtime import placement
-
     expected = SMOKE_TEST_WORLD_SIZE * (SMOKE_TEST_WORLD_SIZE + 1) // 2
     start = time.perf_counter()
     try:
-        # Sharing one GPU between ranks warns; here that is expected, and the line says where ranks ran.
+        # Ranks sharing a GPU make a warning; here the line itself says where the ranks ran.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             where = placement.resolve(SMOKE_TEST_WORLD_SIZE).describe()
-            results = parlab.launch(_all_reduce_rank_plus_one, SMOKE_TEST_WORLD_SIZE, timeout=SMOKE_TEST_TIMEOUT_S)
+            results = parlab.launch(
+                _all_reduce_rank_plus_one, SMOKE_TEST_WORLD_SIZE, timeout=SMOKE_TEST_TIMEOUT_S
+            )
     except Exception as exc:
         return PROBLEM, (
             f"{SMOKE_TEST_WORLD_SIZE}-rank all_reduce failed: {_first_line(exc)}. Processes must be "
@@ -118,8 +119,14 @@ def check_all_reduce():
         )
     elapsed = time.perf_counter() - start
     if results != [expected] * SMOKE_TEST_WORLD_SIZE:
-        return PROBLEM, f"{SMOKE_TEST_WORLD_SIZE}-rank all_reduce gave {results}, expected {expected} on every rank; torch.distributed is miscomputing here, reinstall torch."
-    return OK, f"{SMOKE_TEST_WORLD_SIZE}-rank all_reduce ({where}): every rank got {expected}, in {elapsed:.1f} s including start-up"
+        return PROBLEM, (
+            f"{SMOKE_TEST_WORLD_SIZE}-rank all_reduce gave {results}, expected {expected} on every "
+            f"rank: torch.distributed computes wrongly here; {OFFICIAL_TORCH}."
+        )
+    return OK, (
+        f"{SMOKE_TEST_WORLD_SIZE}-rank all_reduce ({where}): every rank got {expected}, "
+        f"in {elapsed:.1f} s including start-up"
+    )
 
 
 CHECKS = (
@@ -146,16 +153,11 @@ def run():
             status, message = PROBLEM, f"{check.__name__} could not run: {_first_line(exc)}"
         problems += status == PROBLEM
         print(f"{status:<8} {message}", flush=True)
-    print("All checks passed." if not problems else f"{problems} problem(s): see the PROBLEM lines for what to do.")
+    print(f"{problems} problem(s); each PROBLEM line says what to do." if problems else "All checks passed.")
     return 1 if problems else 0
 
 
 def _all_reduce_rank_plus_one():
-    import torch
-    import torch.distributed as dist
-
-    import parlab
-
     value = torch.tensor([dist.get_rank() + 1.0], device=parlab.device())
     dist.all_reduce(value)
     return int(value.item())

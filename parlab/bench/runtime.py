@@ -30,13 +30,10 @@ STORE_TIMEOUT = timedelta(seconds=60)
 
 
 def add_arguments(parser):
-    parser.add_argument("--world-size", type=positive_int, default=4, metavar="N", help="number of ranks (default 4)")
-    parser.add_argument(
-        "--repeats", type=positive_int, default=50, metavar="N", help="measured calls on the cluster (default 50)"
-    )
-    parser.add_argument(
-        "--spawn-repeats", type=positive_int, default=3, metavar="N", help="measured fresh spawns (default 3)"
-    )
+    count = dict(type=positive_int, metavar="N")
+    parser.add_argument("--world-size", default=4, help="number of ranks (default 4)", **count)
+    parser.add_argument("--repeats", default=50, help="measured calls on the cluster (default 50)", **count)
+    parser.add_argument("--spawn-repeats", default=3, help="measured fresh spawns (default 3)", **count)
 
 
 def run(args):
@@ -127,14 +124,13 @@ def _time_spawn(world_size, spawn_repeats):
     OS picks, as in a Cluster, so runs never collide on a port."""
     times = []
     for attempt in range(1, spawn_repeats + 1):
-        _progress(f"fresh torch.multiprocessing.spawn of {world_size} processes: run {attempt}/{spawn_repeats} ...")
+        _progress(f"spawning {world_size} fresh processes, {attempt}/{spawn_repeats} ...")
         start = time.perf_counter()
         store = dist.TCPStore(
             "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT
         )
         mp.spawn(_spawned_rank, args=(world_size, store.port), nprocs=world_size)
         times.append(time.perf_counter() - start)
-        del store
     return times
 
 
