@@ -185,16 +185,20 @@ def test_gpu_requests_without_gpus_are_value_errors():
     with pytest.raises(ValueError, match="device='cuda'"):
         resolve(2, device="cuda", gpu_count=0)
     with pytest.raises(ValueError, match="one GPU per rank"):
-        resolve(4, backend="nccl", gpu_count=2)
+        resolve(4, backend="nccl", gpu_count=2, nccl_available=True)
+    with pytest.raises(ValueError, match="no nccl backend"):
+        resolve(2, backend="nccl", gpu_count=2, nccl_available=False)
 
 
 def test_auto_placement_rules():
     assert resolve(4, gpu_count=0) == resolve(4, backend="gloo", device="cpu", gpu_count=8)
     assert resolve(4, gpu_count=0).backend == "gloo"
-    on_gpus = resolve(4, gpu_count=4)
+    on_gpus = resolve(4, gpu_count=4, nccl_available=True)
     assert (on_gpus.backend, on_gpus.device(3)) == ("nccl", "cuda:3")
+    with pytest.warns(UserWarning, match="has no nccl"):
+        assert resolve(4, gpu_count=4, nccl_available=False).backend == "gloo"
     with pytest.warns(UserWarning, match="host staging"):
-        shared = resolve(4, gpu_count=2)
+        shared = resolve(4, gpu_count=2, nccl_available=True)
     assert (shared.backend, shared.host_staging, shared.device(3)) == ("gloo", True, "cuda:1")
 
 

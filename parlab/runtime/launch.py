@@ -14,15 +14,17 @@ def under_torchrun():
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def launch(fn, world_size, *args, backend="auto", device="auto", timeout=None, **kwargs):
+def launch(fn, world_size, *args, backend="auto", device="auto", timeout=None, start_timeout=120.0, **kwargs):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results in rank order.
+
+    ``timeout`` bounds the call and ``start_timeout`` the start of the ranks (seconds).
 
     Under torchrun, ``world_size`` is torchrun's (the argument is only used to spawn ranks
     locally) and the results of all ranks are gathered on every rank.
     """
     if under_torchrun():
         return _run_in_torchrun(fn, args, kwargs, backend)
-    with Cluster(world_size, backend=backend, device=device) as cluster:
+    with Cluster(world_size, backend=backend, device=device, start_timeout=start_timeout) as cluster:
         return cluster.run(fn, *args, timeout=timeout, **kwargs)
 
 

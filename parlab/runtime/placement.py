@@ -41,14 +41,18 @@ class Placement:
             return f"{self.world_size} ranks on the CPU over {self.backend}"
         if self.host_staging:
             return (
-                f"{self.world_size} ranks sharing {self.gpu_count} GPU(s) (rank r on "
-                f"cuda:r % {self.gpu_count}), communicating over gloo with host staging"
+                f"{self.world_size} ranks on {min(self.world_size, self.gpu_count)} GPU(s) "
+                f"(rank r on cuda:r % {self.gpu_count}), communicating over gloo with host staging"
             )
         return f"{self.world_size} ranks, one GPU each, over {self.backend}"
 
 
-def resolve(world_size, backend="auto", device="auto", gpu_count=None):
-    """Check the learner's choices and turn "auto" into a concrete Placement."""
+def resolve(world_size, backend="auto", device="auto", gpu_count=None, nccl_available=None):
+    """Check the learner's choices and turn "auto" into a concrete Placement.
+
+    ``gpu_count`` and ``nccl_available`` default to what this machine's torch reports; tests
+    pass them to check the GPU rules on any machine.
+    """
     if isinstance(world_size, bool) or not isinstance(world_size, int):
         raise ValueError(f"world_size must be a whole number of ranks, got {world_size!r}.")
     if world_size < 1:
@@ -59,6 +63,8 @@ def resolve(world_size, backend="auto", device="auto", gpu_count=None):
         raise ValueError(f"unknown device {device!r}; use one of {', '.join(map(repr, DEVICES))}.")
     if gpu_count is None:
         gpu_count = _visible_gpus()
+    if nccl_available is None:
+        nccl_available = _nccl_available()
 
     if device == "cuda" and gpu_count == 0:
         raise ValueError("device='cuda' but torch sees no CUDA GPU; use device='cpu' (or 'auto').")
@@ -69,6 +75,8 @@ def resolve(world_size, backend="auto", device="auto", gpu_count=None):
             )
         if device == "cpu":
             raise ValueError("backend='nccl' cannot run on device='cpu'; use backend='gloo'.")
+        if not nccl_available:
+            raise ValueError("this torch build has no nccl backend; use backend='gloo' or 'auto'.")
         if gpu_count < world_size:
             raise ValueError(
                 f"backend='nccl' needs one GPU per rank: {world_size} ranks but {gpu_count} "
@@ -77,7 +85,8 @@ def resolve(world_size, backend="auto", device="auto", gpu_count=None):
 
     device_type = "cuda" if gpu_count and device != "cpu" else "cpu"
     if backend == "auto":
-        backend = "nccl" if device_type == "cuda" and gpu_count >= world_size else "gloo"
+        one_gpu_each = device_type == "cuda" and gpu_count >= world_size
+        backend = "nccl" if one_gpu_each and nccl_available else "gloo"
     placement = Placement(world_size, backend, device_type, gpu_count if device_type == "cuda" else 0)
 
     cores = os.cpu_count() or 1
@@ -88,7 +97,8 @@ def resolve(world_size, backend="auto", device="auto", gpu_count=None):
             stacklevel=3,
         )
     if placement.host_staging:
-        warnings.warn(f"{placement.describe()}.", stacklevel=3)
+        reason = " (this torch build has no nccl)" if not nccl_available else ""
+        warnings.warn(f"{placement.describe()}{reason}.", stacklevel=3)
     return placement
 
 
@@ -96,3 +106,9 @@ def _visible_gpus():
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _nccl_available():
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_nccl_available()
