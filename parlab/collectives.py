@@ -1,0 +1,380 @@
+"""Collectives from scratch: naive, ring, butterfly and tree, on traced point-to-point calls.
+
+Each collective works in place on the default process group, like ``dist.all_reduce``, on
+a contiguous tensor of any shape and length (it works on the flat view), and talks only
+through ``parlab.p2p``, so ``cluster.trace`` counts its traffic exactly. Symbols: N ranks,
+D bytes in the tensor, alpha seconds per message, beta seconds per byte.
+
+Chunks: ring and butterfly cut the flat tensor into chunks as even as possible; the first
+``numel % N`` of the N chunks are one element longer (as ``torch.tensor_split``). After
+``ring_reduce_scatter`` rank r owns the reduced chunk (r + 1) mod N; ``ring_all_gather``
+starts from there. Ops: "sum", "avg", "max", "min" or the matching ``dist.ReduceOp``;
+"avg" sums, then divides by N once, so it needs a floating-point tensor.
+
+The consistency check: a rank passing another shape, dtype, op or root would make the
+others hang or reduce garbage. With ``check=True`` (the default) a call first ring
+all-gathers one small record per rank (collective, op, root, dtype, shape) and raises the
+same ValueError on every rank if they differ: N - 1 extra sends of ``METADATA_BYTES`` per
+rank. Pass ``check=False`` on every rank to see the algorithm's own traffic alone.
+"""
+
+import math
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from parlab import p2p
+from parlab.runtime import device
+
+OPS = ("sum", "avg", "max", "min")
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64)
+COLLECTIVES = ("naive_allreduce", "ring_reduce_scatter", "ring_all_gather", "ring_allreduce",
+               "butterfly_allreduce", "tree_broadcast", "tree_reduce")
+MAX_DIMS = 8
+_RECORD = 5 + MAX_DIMS  # collective, op, root, dtype, ndim, then the shape padded with zeros
+METADATA_BYTES = 8 * _RECORD  # one int64 record per rank
+_REDUCE_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
+
+
+def naive_allreduce(tensor, op="sum", root=0, check=True):
+    """All-reduce through one rank: every rank sends its tensor to ``root``, the root reduces
+    the N tensors and sends the result back to every rank. Returns ``tensor``, now reduced.
+
+    Traffic: each other rank sends D and receives D; the root receives (N - 1) D and sends
+    (N - 1) D, one message at a time: time 2 (N - 1) (alpha + D beta).
+    """
+    flat, op = _prepare("naive_allreduce", tensor, op, root, check)
+    rank, N = dist.get_rank(), dist.get_world_size()
+    if rank != root:
+        p2p.send(flat, root)
+        p2p.recv(flat, root)
+        return tensor
+    others = [peer for peer in range(N) if peer != root]
+    incoming = torch.empty_like(flat)
+    for peer in others:
+        _reduce(op, flat, p2p.recv(incoming, peer))
+    _average(op, flat, N)
+    for peer in others:
+        p2p.send(flat, peer)
+    return tensor
+
+
+def ring_reduce_scatter(tensor, op="sum", check=True):
+    """Ring reduce-scatter: N - 1 steps; at step s rank r sends chunk (r - s) mod N to rank
+    r + 1, receives chunk (r - s - 1) mod N from rank r - 1 and reduces it into its own copy.
+
+    Returns the index (r + 1) mod N of the chunk this rank now owns: that chunk of the flat
+    tensor holds the reduction over all ranks; the other chunks hold partial results.
+    Each rank sends every chunk but its owned one: (N - 1)/N D when N divides numel.
+    """
+    flat, op = _prepare("ring_reduce_scatter", tensor, op, None, check)
+    rank, N = dist.get_rank(), dist.get_world_size()
+    chunks = _chunks(flat, N)
+    incoming = torch.empty_like(chunks[0])  # chunk 0 is the largest
+    for step in range(N - 1):
+        sent, received = chunks[(rank - step) % N], chunks[(rank - step - 1) % N]
+        buffer = incoming[: received.numel()]
+        _exchange(sent, (rank + 1) % N, buffer, (rank - 1) % N)
+        _reduce(op, received, buffer)
+    owned = (rank + 1) % N
+    _average(op, chunks[owned], N)
+    return owned
+
+
+def ring_all_gather(tensor, check=True):
+    """Ring all-gather: starting from "rank r owns chunk (r + 1) mod N" (what
+    ``ring_reduce_scatter`` leaves), N - 1 steps; at step s rank r sends chunk
+    (r + 1 - s) mod N to rank r + 1 and receives chunk (r - s) mod N from rank r - 1.
+    Afterwards every rank holds every rank's owned chunk. Returns ``tensor``.
+    Each rank sends every chunk but (r + 2) mod N: (N - 1)/N D when N divides numel.
+    """
+    flat, _ = _prepare("ring_all_gather", tensor, None, None, check)
+    rank, N = dist.get_rank(), dist.get_world_size()
+    chunks = _chunks(flat, N)
+    for step in range(N - 1):
+        _exchange(chunks[(rank + 1 - step) % N], (rank + 1) % N, chunks[(rank - step) % N], (rank - 1) % N)
+    return tensor
+
+
+def ring_allreduce(tensor, op="sum", check=True):
+    """Ring all-reduce = ring reduce-scatter, then ring all-gather. Returns ``tensor``.
+
+    Each rank sends 2 (N - 1) messages of one chunk each, 2 (N - 1)/N D bytes when N
+    divides numel: time 2 (N - 1) alpha + 2 (N - 1)/N D beta, whatever N is.
+    """
+    flat, op = _prepare("ring_allreduce", tensor, op, None, check)
+    ring_reduce_scatter(flat, op, check=False)  # the owned chunk is already divided for "avg"
+    ring_all_gather(flat, check=False)
+    return tensor
+
+
+def butterfly_allreduce(tensor, op="sum", check=True):
+    """Butterfly all-reduce: recursive halving (a reduce-scatter), then recursive doubling
+    (an all-gather), log2 N rounds each. Returns ``tensor``.
+
+    Halving: in the round at distance d = N/2, N/4, ..., 1, rank r and its partner r XOR d
+    split the chunks they are responsible for in two; each keeps one half, sends the other
+    and reduces the partner's copy of the kept half into its own. Rank r ends owning chunk r
+    of N. Doubling replays the rounds backwards (d = 1, 2, ..., N/2), swapping owned halves.
+    Time 2 log2(N) alpha + 2 (N - 1)/N D beta.
+
+    N not a power of two: with P the largest power of two below N, rank P + i first folds
+    its tensor into rank i, ranks 0..P-1 run the butterfly, and rank i sends the result back
+    (unfold): 2 log2(P) alpha + 2 (P - 1)/P D beta + 2 (alpha + D beta).
+    """
+    flat, op = _prepare("butterfly_allreduce", tensor, op, None, check)
+    rank, N = dist.get_rank(), dist.get_world_size()
+    P = 1 << (N.bit_length() - 1)
+    if rank >= P:  # an extra rank: fold into rank - P, wait for the unfold
+        p2p.send(flat, rank - P)
+        p2p.recv(flat, rank - P)
+        return tensor
+    if rank + P < N:
+        _reduce(op, flat, p2p.recv(torch.empty_like(flat), rank + P))
+
+    bounds = _chunk_bounds(flat.numel(), P)
+    incoming = torch.empty_like(flat[: bounds[P // 2]])  # the first half is the largest
+    lo, hi = 0, P  # the chunks [lo, hi) this rank is responsible for
+    distance = P // 2
+    while distance >= 1:  # recursive halving
+        partner, mid = rank ^ distance, (lo + hi) // 2
+        keep, give = ((mid, hi), (lo, mid)) if rank & distance else ((lo, mid), (mid, hi))
+        kept = _span(flat, bounds, *keep)
+        buffer = incoming[: kept.numel()]
+        _exchange(_span(flat, bounds, *give), partner, buffer, partner)
+        _reduce(op, kept, buffer)
+        (lo, hi), distance = keep, distance // 2
+    _average(op, _span(flat, bounds, lo, hi), N)
+
+    distance = 1
+    while distance < P:  # recursive doubling: the partner owns the sibling range
+        partner, width = rank ^ distance, hi - lo
+        sibling = (lo - width, lo) if rank & distance else (hi, hi + width)
+        _exchange(_span(flat, bounds, lo, hi), partner, _span(flat, bounds, *sibling), partner)
+        lo, hi, distance = min(lo, sibling[0]), max(hi, sibling[1]), distance * 2
+
+    if rank + P < N:
+        p2p.send(flat, rank + P)
+    return tensor
+
+
+def tree_broadcast(tensor, root=0, check=True):
+    """Binomial-tree broadcast of ``root``'s tensor, in ceil(log2 N) rounds. Returns ``tensor``.
+
+    Number the ranks by distance from the root, v = (r - root) mod N. In the round with
+    m = 1, 2, 4, ... the m ranks v < m that hold the data send it to v + m: the number of
+    ranks holding it doubles each round. Time ceil(log2 N) (alpha + D beta).
+    """
+    flat, _ = _prepare("tree_broadcast", tensor, None, root, check)
+    rank, N = dist.get_rank(), dist.get_world_size()
+    v = (rank - root) % N
+    m = 1
+    while m < N:
+        if v < m and v + m < N:
+            p2p.send(flat, (rank + m) % N)
+        elif m <= v < 2 * m:
+            p2p.recv(flat, (rank - m) % N)
+        m *= 2
+    return tensor
+
+
+def tree_reduce(tensor, root=0, op="sum", check=True):
+    """Binomial-tree reduce to ``root``, in ceil(log2 N) rounds: the broadcast run backwards.
+
+    With v = (r - root) mod N, in the round with m = 1, 2, 4, ... a rank whose bit m is
+    set sends its partial result to v - m and is done; the others receive from v + m (if
+    it exists) and reduce. Only the root's tensor holds the result afterwards (like
+    ``dist.reduce``); other ranks are left with partial results. Returns ``tensor``.
+    """
+    flat, op = _prepare("tree_reduce", tensor, op, root, check)
+    rank, N = dist.get_rank(), dist.get_world_size()
+    v = (rank - root) % N
+    incoming = torch.empty_like(flat)
+    m = 1
+    while m < N:
+        if v & m:
+            p2p.send(flat, (rank - m) % N)
+            return tensor
+        if v + m < N:
+            _reduce(op, flat, p2p.recv(incoming, (rank + m) % N))
+        m *= 2
+    _average(op, flat, N)
+    return tensor
+
+
+def cost_model(algorithm, D, N, alpha, beta):
+    """Predicted seconds of one collective of D bytes on N ranks under the alpha-beta model
+    (a message of D bytes takes alpha + D beta):
+
+    ==================  =====================================================
+    algorithm           predicted time
+    ==================  =====================================================
+    "naive"             2 (N - 1) (alpha + D beta)   (the root, serialised)
+    "ring"              2 (N - 1) alpha + 2 (N - 1)/N D beta
+    "butterfly"         2 log2(N) alpha + 2 (N - 1)/N D beta   (N = 2^k)
+                        2 log2(P) alpha + 2 (P - 1)/P D beta + 2 (alpha + D beta)
+                        otherwise, with P the largest power of two below N
+    "tree_broadcast"    ceil(log2 N) (alpha + D beta)
+    "tree_reduce"       ceil(log2 N) (alpha + D beta)
+    ==================  =====================================================
+    """
+    if N < 1:
+        raise ValueError(f"cost_model needs N >= 1 ranks, got N={N}.")
+    if algorithm == "naive":
+        return 2 * (N - 1) * (alpha + D * beta)
+    if algorithm == "ring":
+        return 2 * (N - 1) * alpha + 2 * (N - 1) / N * D * beta
+    if algorithm == "butterfly":
+        P = 1 << (N.bit_length() - 1)
+        fold = 0 if P == N else 2 * (alpha + D * beta)
+        return 2 * math.log2(P) * alpha + 2 * (P - 1) / P * D * beta + fold
+    if algorithm in ("tree_broadcast", "tree_reduce"):
+        return math.ceil(math.log2(N)) * (alpha + D * beta)
+    raise ValueError(
+        f"unknown algorithm {algorithm!r}; choose one of 'naive', 'ring', 'butterfly', 'tree_broadcast', 'tree_reduce'."
+    )
+
+
+def fit_alpha_beta(sizes_bytes, seconds):
+    """Least-squares fit of the point-to-point model t = alpha + D beta to measured pairs
+    (D in ``sizes_bytes``, t in ``seconds``). Returns (alpha, beta) in seconds and
+    seconds per byte: beta = cov(D, t) / var(D), alpha = mean(t) - beta mean(D).
+    """
+    if len(sizes_bytes) != len(seconds) or len(set(sizes_bytes)) < 2:
+        raise ValueError(
+            "fit_alpha_beta needs one time per size and at least two different sizes; "
+            f"got {len(sizes_bytes)} sizes ({len(set(sizes_bytes))} different) and {len(seconds)} times."
+        )
+    mean_D, mean_t = statistics.fmean(sizes_bytes), statistics.fmean(seconds)
+    covariance = sum((D - mean_D) * (t - mean_t) for D, t in zip(sizes_bytes, seconds))
+    variance = sum((D - mean_D) ** 2 for D in sizes_bytes)
+    beta = covariance / variance
+    return mean_t - beta * mean_D, beta
+
+
+def measure_p2p(sizes, repeats=10):
+    """Ping-pong between ranks 0 and 1: for each message size D (bytes) rank 0 sends D bytes,
+    rank 1 sends them back, ``repeats`` times after one warm-up round trip. Returns on rank 0
+    the list of (D, median half round trip in seconds) in increasing D, ready for
+    ``fit_alpha_beta``; the other ranks return None (ranks 2 and up take no part).
+    """
+    if dist.get_world_size() < 2:
+        raise ValueError("measure_p2p needs two ranks; run it on a cluster with world_size=2.")
+    if repeats < 1 or any(size < 0 for size in sizes):
+        raise ValueError(f"measure_p2p needs repeats >= 1 and sizes >= 0 bytes, got repeats={repeats}, sizes={sizes}.")
+    rank = dist.get_rank()
+    if rank > 1:
+        return None
+    pairs = []
+    for size in sorted(sizes):
+        message = torch.zeros(size, dtype=torch.uint8, device=device())
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            if rank == 0:
+                p2p.send(message, 1)
+                p2p.recv(message, 1)
+            else:
+                p2p.recv(message, 0)
+                p2p.send(message, 0)
+            if message.is_cuda:
+                torch.cuda.synchronize()  # NCCL returns before the bytes have moved
+            times.append((time.perf_counter() - start) / 2)
+        pairs.append((size, statistics.median(times[1:])))
+    return pairs if rank == 0 else None
+
+
+def _exchange(outgoing, dst, incoming, src):
+    """Send ``outgoing`` to ``dst`` while receiving ``incoming`` from ``src``. Starting the
+    send with isend lets both directions overlap, and no ring deadlocks with every rank
+    sending first."""
+    request = p2p.isend(outgoing, dst)
+    p2p.recv(incoming, src)
+    request.wait()
+
+
+def _reduce(op, accumulator, incoming):
+    """accumulator <- accumulator (op) incoming, in place ("avg" sums; see ``_average``)."""
+    if op == "max":
+        torch.maximum(accumulator, incoming, out=accumulator)
+    elif op == "min":
+        torch.minimum(accumulator, incoming, out=accumulator)
+    else:
+        accumulator.add_(incoming)
+
+
+def _average(op, reduced, N):
+    if op == "avg":
+        reduced.div_(N)
+
+
+def _chunk_bounds(numel, parts):
+    """Offsets of ``parts`` chunks as even as possible: the first numel % parts are one longer."""
+    base, extra = divmod(numel, parts)
+    return [i * base + min(i, extra) for i in range(parts + 1)]
+
+
+def _span(flat, bounds, lo, hi):
+    """The chunks lo..hi-1 of ``flat``, as one view."""
+    return flat[bounds[lo] : bounds[hi]]
+
+
+def _chunks(flat, parts):
+    bounds = _chunk_bounds(flat.numel(), parts)
+    return [_span(flat, bounds, i, i + 1) for i in range(parts)]
+
+
+def _prepare(collective, tensor, op, root, check):
+    """Check the call (locally, then across ranks if ``check``); return the flat view and op name."""
+    if not tensor.is_contiguous():
+        raise ValueError(f"{collective} works in place on a contiguous tensor; call .contiguous() on it first.")
+    if tensor.dtype not in DTYPES:
+        raise ValueError(f"{collective} supports the dtypes {[str(d) for d in DTYPES]}, not {tensor.dtype}.")
+    if tensor.dim() > MAX_DIMS:
+        raise ValueError(f"{collective} supports tensors of at most {MAX_DIMS} dimensions; reshape yours first.")
+    if op is not None:
+        op = _op_name(op, tensor)
+    N = dist.get_world_size()
+    if root is not None and not 0 <= root < N:
+        raise ValueError(f"root={root} is not a rank; choose a root between 0 and {N - 1}.")
+    if check:
+        _check_same_call(collective, tensor, op, root)
+    return tensor.view(-1), op
+
+
+def _op_name(op, tensor):
+    name = _REDUCE_OPS.get(op, op) if not isinstance(op, str) else op.lower()
+    if name not in OPS:
+        raise ValueError(f"unknown op {op!r}; use one of {', '.join(map(repr, OPS))} or the matching dist.ReduceOp.")
+    if name == "avg" and not tensor.is_floating_point():
+        raise ValueError(f"op='avg' divides by N and needs a float tensor, not {tensor.dtype}; convert it with .float().")
+    return name
+
+
+def _check_same_call(collective, tensor, op, root):
+    """Ring all-gather every rank's call record; raise the same ValueError on every rank if
+    they differ. Rank r starts owning row (r + 1) mod N, as ``ring_all_gather`` expects."""
+    rank, N = dist.get_rank(), dist.get_world_size()
+    records = torch.zeros(N, _RECORD, dtype=torch.int64, device=tensor.device)  # NCCL sends GPU tensors only
+    records[(rank + 1) % N, :5] = torch.tensor([
+        COLLECTIVES.index(collective), -1 if op is None else OPS.index(op), -1 if root is None else root,
+        DTYPES.index(tensor.dtype), tensor.dim(),
+    ])
+    records[(rank + 1) % N, 5 : 5 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    ring_all_gather(records, check=False)
+    if bool((records == records[0]).all()):
+        return
+    calls = "; ".join(f"rank {r}: {_describe(records[(r + 1) % N].tolist())}" for r in range(N))
+    raise ValueError(
+        f"{collective} needs the same call on every rank, but the ranks differ: {calls}. "
+        "Pass a tensor of the same shape and dtype, with the same op and root, on every rank."
+    )
+
+
+def _describe(record):
+    collective, op, root, dtype, ndim = record[:5]
+    call = f"{COLLECTIVES[collective]}({DTYPES[dtype]} tensor of shape {tuple(record[5 : 5 + ndim])}"
+    call += "" if op < 0 else f", op={OPS[op]!r}"
+    return call + ("" if root < 0 else f", root={root}") + ")"
