@@ -243,6 +243,27 @@ def test_workers_die_with_their_parent(tmp_path):
     assert not any(_alive(pid) for pid in pids)
 
 
+def test_an_interrupted_call_frees_the_kernel_and_the_next_run_works(tmp_path):
+    # Jupyter's "interrupt kernel" is a SIGINT to the parent while it waits for the ranks.
+    script = tmp_path / "interrupt.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, threading, time, parlab
+        with parlab.Cluster(world_size=2) as cluster:
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+            start = time.monotonic()
+            try:
+                cluster.run(time.sleep, 60)
+            except KeyboardInterrupt:
+                print("interrupted after", round(time.monotonic() - start), "s")
+            print("next run", cluster.run(lambda: "ok"))
+    """))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "next run ['ok', 'ok']" in result.stdout
+    assert int(result.stdout.split("interrupted after ")[1].split()[0]) < 10
+    assert "workers were replaced" in result.stderr
+
+
 def test_launch_runs_in_process_under_torchrun(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent("""
