@@ -9,12 +9,13 @@
 import argparse
 
 from parlab import doctor
-from parlab.bench import runtime, to_json
+from parlab.bench import collectives, runtime, to_json
 
 # A bench is a module of parlab.bench (see its docstring for what the module provides);
 # registering it here is all the command line needs.
 BENCHES = {
     "runtime": runtime,
+    "collectives": collectives,
 }
 
 
