@@ -1,0 +1,188 @@
+"""Exercises and grading: generation from solutions, protection of edited files, the
+implementation travelling to the ranks, and proof that the grading tests bite: solutions
+score full marks, the generated stubs zero, a whole-tensor exchange loses exactly the
+traffic points, and a deadlocked implementation costs its points within 30 s."""
+
+import textwrap
+import time
+
+import pytest
+
+from parlab import exercises, grade
+from parlab.grading_plugin import failure_reason, load_implementation
+from parlab.runtime.errors import RankError, RankTimeout
+
+FIXTURES = exercises.ROOT / "tests" / "grading" / "fixtures"
+SOLUTION = textwrap.dedent(
+    '''\
+    """A topic."""
+
+
+    def double(x):
+        """Twice x."""
+        # BEGIN SOLUTION: multiply by two
+        y = x * 2
+        return y
+        # END SOLUTION
+
+
+    # BEGIN SOLUTION
+    CONSTANT = 1
+    # END SOLUTION
+    '''
+)
+
+
+def test_committed_exercises_are_generated_from_the_current_solutions():
+    assert exercises.stale() == {}, "run `python -m parlab.exercises build` and commit exercises/"
+
+
+def test_every_topic_has_an_exercise_with_stubs_and_grading_tests():
+    assert exercises.topics() == grade.grading_topics()
+    for topic in exercises.topics():
+        text = (exercises.ROOT / "exercises" / f"{topic}.py").read_text()
+        assert "NotImplementedError" in text and "SOLUTION" not in text.split("\n", 3)[3]
+
+
+def test_generate_replaces_each_block_with_a_stub_at_its_indentation():
+    body = exercises.generate(SOLUTION, "topic").split("\n", 3)[3]
+    assert body == textwrap.dedent(
+        '''\
+        """A topic."""
+
+
+        def double(x):
+            """Twice x."""
+            raise NotImplementedError("double is not implemented yet: multiply by two")
+
+
+        raise NotImplementedError("topic is not implemented yet")
+        '''
+    )
+
+
+@pytest.mark.parametrize(
+    "source, line, problem",
+    [
+        ("# BEGIN SOLUTION\nx = 1\n", 1, "never closed"),
+        ("x = 1\n# END SOLUTION\n", 2, "without a BEGIN"),
+        ("# BEGIN SOLUTION\n# BEGIN SOLUTION\n# END SOLUTION\n", 2, "inside the block opened on line 1"),
+        ("if True:\n# BEGIN SOLUTION\n    x = 1\n# END SOLUTION\n", 2, "not valid Python"),
+    ],
+)
+def test_misplaced_markers_raise_value_error_naming_the_line(source, line, problem):
+    with pytest.raises(ValueError, match=f"line {line}.*{problem}|{problem}.*line {line}"):
+        exercises.generate(source, "topic")
+
+
+def test_build_never_overwrites_an_edited_exercise_unless_forced(tmp_path):
+    (tmp_path / "solutions").mkdir()
+    solution, exercise = tmp_path / "solutions" / "topic.py", tmp_path / "exercises" / "topic.py"
+    solution.write_text(SOLUTION)
+    assert exercises.build(root=tmp_path) == {"topic": "written"}
+    assert exercises.build(root=tmp_path) == {"topic": "up to date"}
+
+    solution.write_text(SOLUTION.replace("Twice x.", "Two times x."))  # an instructor's fix
+    assert exercises.stale(root=tmp_path) == {"topic": "outdated"}
+    assert exercises.build(root=tmp_path) == {"topic": "written"}  # never edited: rebuilt
+    assert "Two times x." in exercise.read_text()
+
+    edited = exercise.read_text().replace('raise NotImplementedError("double', 'return x + x  # ("double')
+    exercise.write_text(edited)
+    assert exercises.stale(root=tmp_path) == {"topic": "edited"}
+    assert exercises.build(root=tmp_path)["topic"].startswith("kept: edited by hand")
+    assert exercise.read_text() == edited
+    assert exercises.build(["topic"], force=True, root=tmp_path) == {"topic": "written"}
+    assert exercises.stale(root=tmp_path) == {}
+
+
+def test_unknown_topics_are_refused_with_the_list_of_topics(capsys):
+    with pytest.raises(ValueError, match="there is no solutions/nope.py; the topics are: collectives"):
+        exercises.build(["nope"])
+    assert exercises.main(["check", "nope"]) == 2
+    assert "the topics are: collectives" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="no grading tests for 'nope'; the topics are: collectives"):
+        grade.check("nope.ring_allreduce")
+
+
+def test_an_implementation_outside_sys_path_runs_on_the_ranks(tmp_path, cluster2):
+    # A learner's file is imported by path: the workers could not import it by name.
+    (tmp_path / "topic.py").write_text(
+        "import torch.distributed as dist\n"
+        "SCALE = 10\n"
+        "def helper(x):\n    return x * SCALE\n"
+        "def on_rank(x):\n    return helper(x) + dist.get_rank()\n"
+    )
+    module = load_implementation("topic", tmp_path)
+    assert cluster2.run(module.on_rank, 4) == [40, 41]
+
+
+def test_failure_reasons_are_one_line_each():
+    def reason(exc):
+        try:
+            raise exc
+        except BaseException:
+            return failure_reason(pytest.ExceptionInfo.from_current())
+
+    traceback = "Traceback (most recent call last):\n  ...\nNotImplementedError: f is not implemented yet: hint"
+    assert reason(RankError({0: traceback, 1: traceback})) == "NotImplementedError: f is not implemented yet: hint"
+    assert reason(RankError({1: "Traceback ...\nValueError: bad size"})) == "rank 1 failed: ValueError: bad size"
+    assert reason(RankTimeout(3, {0: "stack", 1: "stack"}, finished=[])).startswith(
+        "timed out after 3 s (ranks 0, 1 still waiting"
+    )
+    assert reason(pytest.fail.Exception("Timeout (>60.0s) from pytest-timeout.")) == "timed out after 60 s"
+    assert reason(AssertionError("rank 0 sent 2 messages\nassert False")) == "rank 0 sent 2 messages"
+    assert reason(KeyError("x")) == "KeyError: 'x'"
+
+
+# --- The grader, end to end (each run starts its own clusters in a subprocess) -------------
+
+
+def test_solutions_score_full_marks(capsys):
+    assert grade.main(["collectives", "--impl", str(exercises.ROOT / "solutions")]) == 0
+    table = capsys.readouterr().out
+    assert "total" in table and "15 / 15  full marks" in table
+
+
+def test_generated_stubs_score_zero_and_say_what_to_implement():
+    started = time.monotonic()
+    results = grade.run_grading("collectives", impl=exercises.ROOT / "exercises")
+    assert time.monotonic() - started < 30
+    assert grade.score(results) == grade.Score(0, 15)
+    for test in results:
+        function = test["task"].split(".")[1]
+        assert test["reason"].startswith(f"NotImplementedError: {function} is not implemented yet"), test
+
+
+def test_exchanging_whole_tensors_earns_correctness_but_not_traffic_points():
+    results = grade.run_grading("collectives", impl=FIXTURES / "gather_and_sum")
+    traffic = [test for test in results if test["test"].startswith("test_sends_")]
+    correctness = [test for test in results if test not in traffic]
+    assert len(traffic) == 6 and len(correctness) == 9
+    assert all(test["passed"] for test in correctness), correctness
+    for test in traffic:
+        assert not test["passed"]
+        assert "exchanging whole tensors and combining them locally gives the right numbers" in test["reason"]
+
+
+def test_a_deadlocked_implementation_costs_its_points_within_30_s():
+    started = time.monotonic()
+    results = grade.run_grading("collectives", impl=FIXTURES / "send_first")
+    assert time.monotonic() - started < 30
+    assert grade.score(results).earned == 0
+    reasons = {test["reason"].split(" (")[0] for test in results}
+    assert reasons == {"timed out after 3 s"} | {
+        f"not run: an earlier test of collectives.{task} timed out"
+        for task in ("ring_reduce_scatter", "ring_all_gather", "ring_allreduce")
+    }
+
+
+def test_one_task_is_graded_alone_and_a_broken_file_says_why(tmp_path, capsys):
+    (tmp_path / "collectives.py").write_text("def ring_allreduce(tensor)\n    return tensor\n")
+    score = grade.check("collectives.ring_allreduce", impl=tmp_path)
+    table = capsys.readouterr().out
+    assert score == grade.Score(0, 5)
+    assert "collectives.ring_allreduce" in table and "ring_reduce_scatter" not in table
+    assert "ImportError: " in table and "could not be imported: SyntaxError" in table
+    with pytest.raises(ValueError, match="no task 'collectives.ring'; the tasks are: collectives.ring_all_gather, "):
+        grade.check("collectives.ring", impl=tmp_path)
