@@ -7,7 +7,8 @@ torch.distributed, for learning.
 """
 
 from parlab import trace
+from parlab.grade import check
 from parlab.runtime import Cluster, RankError, RankTimeout, device, launch
 
 __version__ = "0.1.0"
-__all__ = ["Cluster", "RankError", "RankTimeout", "device", "launch", "trace"]
+__all__ = ["Cluster", "RankError", "RankTimeout", "check", "device", "launch", "trace"]

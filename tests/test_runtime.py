@@ -233,7 +233,7 @@ def test_workers_die_with_their_parent(tmp_path):
         print(*cluster.pids, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """))
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    result = _run_script([sys.executable, str(script)], timeout=60)
     assert result.returncode == -signal.SIGKILL
     pids = [int(pid) for pid in result.stdout.split()]
     assert len(pids) == 2
@@ -257,7 +257,7 @@ def test_an_interrupted_call_frees_the_kernel_and_the_next_run_works(tmp_path):
                 print("interrupted after", round(time.monotonic() - start), "s")
             print("next run", cluster.run(lambda: "ok"))
     """))
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=90)
+    result = _run_script([sys.executable, str(script)], timeout=90)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "next run ['ok', 'ok']" in result.stdout
     assert int(result.stdout.split("interrupted after ")[1].split()[0]) < 10
@@ -279,12 +279,22 @@ def test_launch_runs_in_process_under_torchrun(tmp_path):
             print("pids", results[0][0] == os.getpid(), "sums", [r[1] for r in results])
     """))
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    result = subprocess.run(
-        [torchrun, "--standalone", "--nproc-per-node", "2", str(script)],
-        capture_output=True, text=True, timeout=90,
-    )
+    result = _run_script([torchrun, "--standalone", "--nproc-per-node", "2", str(script)], timeout=90)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "pids True sums [1.0, 1.0]" in result.stdout
+
+
+def _run_script(command, timeout):
+    """Run a command in its own session; on timeout kill the whole session, so that no
+    grandchild (a torchrun worker, say) outlives the test."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"{command[-1]} did not finish within {timeout} s:\n{stderr[-2000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def _alive(pid):

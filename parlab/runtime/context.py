@@ -1,8 +1,6 @@
 """What a function running on a rank can ask about where it runs."""
 
-import torch
-
-_device = torch.device("cpu")
+_device_name = "cpu"
 
 
 def device():
@@ -10,11 +8,15 @@ def device():
 
     Use it inside a function run on the cluster: ``x = torch.ones(4, device=parlab.device())``.
     """
-    return _device
+    import torch
+
+    return torch.device(_device_name)
 
 
 def set_device(name):
-    global _device
-    _device = torch.device(name)
-    if _device.type == "cuda":
-        torch.cuda.set_device(_device)
+    global _device_name
+    _device_name = name
+    if name.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(torch.device(name))
