@@ -2,26 +2,28 @@
 
 ``nn.DataParallel`` drives K model replicas from K threads of one Python process. Each
 replica's training step spends much of its time in the Python interpreter (module calls,
-hooks, the optimizer loop), and only one thread at a time may run Python bytecode: the
-global interpreter lock (GIL) serialises that part. DistributedDataParallel runs one
-process per replica, each with its own interpreter and its own GIL.
+autograd bookkeeping, the per-parameter optimizer loop), and only one thread at a time may
+run Python bytecode: the global interpreter lock (GIL) serialises that part.
+DistributedDataParallel runs one process per replica, each with its own interpreter and GIL.
 
 This module measures that effect without a GPU. A *replica* trains its own copy of a model
-of many small layers (``make_model``) for a fixed number of steps on one intra-op thread,
-so a step costs mostly Python overhead rather than arithmetic. K replicas run either
+of many tiny layers (``make_model``) for a fixed number of steps on one intra-op thread, so
+a step costs mostly Python overhead rather than arithmetic. K replicas run either
 
 - in K threads of this process (``threads_throughput``), or
-- in K ranks of a ``parlab.Cluster`` (``processes_throughput``),
+- in K ranks of a ``parlab.Cluster``, one process each (``processes_throughput``),
 
 and the result is the throughput: replica-steps per second of wall-clock time, from the
-moment all replicas start until the last one finishes. Ideal scaling is K times the K=1
-throughput, capped by the number of CPU cores.
+moment all replicas start their timed steps until the last one finishes. Ideal scaling is
+K times the throughput of one replica, capped by the number of CPU cores.
 """
 
 import threading
 import time
+from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 DEPTH, WIDTH, BATCH = 48, 16, 8
@@ -38,13 +40,13 @@ def make_model(depth=DEPTH, width=WIDTH):
 
 
 def train_replica(steps, seed=0, start_together=None):
-    """Train one replica for ``steps`` SGD steps on random data, after a short warm-up.
+    """Train one replica for ``steps`` SGD steps on a random batch, after a short warm-up.
 
-    ``start_together`` (a barrier's wait) is called between warm-up and the timed steps, so
-    that all replicas start timing at about the same moment. Returns ``(start_ns, end_ns)`` of the timed steps on ``time.perf_counter_ns``, a clock
-    that all processes of one host share, so intervals from different ranks line up.
+    ``start_together`` (a barrier's wait) is called between the warm-up and the timed steps,
+    so that all replicas start timing at about the same moment. Returns ``(start_ns, end_ns)``
+    of the timed steps on ``time.perf_counter_ns``: all processes of one host share that
+    clock, so intervals measured on different ranks line up.
     """
-    torch.set_num_threads(1)
     generator = torch.Generator().manual_seed(seed)
     model = make_model()
     parameters = list(model.parameters())
@@ -54,28 +56,29 @@ def train_replica(steps, seed=0, start_together=None):
     def step():
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
-        # Plain SGD, one parameter at a time in Python, as torch.optim.SGD(foreach=False)
-        # does; torch.optim itself is avoided because its first use imports torch._dynamo
-        # (seconds per process).
+        # Plain SGD, one parameter at a time in Python as torch.optim.SGD(foreach=False)
+        # does; torch.optim itself is avoided because its first use imports torch._dynamo,
+        # which costs seconds in every process.
         with torch.no_grad():
             for p in parameters:
                 p -= LEARNING_RATE * p.grad
                 p.grad = None
 
-    for _ in range(WARMUP_STEPS):
-        step()
-    if start_together is not None:
-        start_together()
-    start = time.perf_counter_ns()
-    for _ in range(steps):
-        step()
-    return start, time.perf_counter_ns()
+    with _one_intra_op_thread():
+        for _ in range(WARMUP_STEPS):
+            step()
+        if start_together is not None:
+            start_together()
+        start = time.perf_counter_ns()
+        for _ in range(steps):
+            step()
+        return start, time.perf_counter_ns()
 
 
 def threads_throughput(replicas, steps):
-    """Replica-steps per second for ``replicas`` threads of this process, each training
-    its own replica for ``steps`` steps (the nn.DataParallel arrangement, minus the
-    scatter/replicate/gather it also pays every step)."""
+    """Replica-steps per second for ``replicas`` threads of this process, each training its
+    own replica for ``steps`` steps: the nn.DataParallel arrangement, without the
+    scatter/replicate/gather that nn.DataParallel also pays every step."""
     intervals = [None] * replicas
     barrier = threading.Barrier(replicas)
 
@@ -91,46 +94,60 @@ def threads_throughput(replicas, steps):
 
 
 def processes_throughput(cluster, replicas, steps):
-    """Replica-steps per second for ``replicas`` ranks of ``cluster`` (one process each,
+    """Replica-steps per second for ``replicas`` ranks of ``cluster`` (one process each:
     the DDP arrangement), each training its own replica for ``steps`` steps. Ranks at or
     above ``replicas`` sit the measurement out."""
     if not 1 <= replicas <= cluster.world_size:
         raise ValueError(
-            f"replicas={replicas} needs 1 to {cluster.world_size} ranks; "
-            f"ask for at most world_size={cluster.world_size} replicas."
+            f"replicas={replicas} needs between 1 and world_size={cluster.world_size} ranks; "
+            "ask for fewer replicas or start a larger cluster."
         )
     intervals = cluster.run(_train_on_rank, replicas, steps)
     return _throughput([interval for interval in intervals if interval is not None], steps)
 
 
-def _train_on_rank(replicas, steps):
-    import torch.distributed as dist
+def compare(cluster, replica_counts=(1, 2, 4), steps=20, repeats=4):
+    """Measure both arrangements for each K in ``replica_counts``.
 
+    Every measurement is repeated ``repeats`` times and the best kept (as ``timeit`` does):
+    other programs on the machine can only slow a run down, never speed it up. The repeats
+    take turns, one of each configuration per round, so that a burst of outside load cannot
+    spoil all the runs of one configuration. Returns ``{"threads": [...], "processes": [...]}``:
+    throughputs in replica-steps per second, one per K, in the order of ``replica_counts``.
+    """
+    best = {"threads": [0.0] * len(replica_counts), "processes": [0.0] * len(replica_counts)}
+    for _ in range(repeats):
+        for i, k in enumerate(replica_counts):
+            best["threads"][i] = max(best["threads"][i], threads_throughput(k, steps))
+            best["processes"][i] = max(best["processes"][i], processes_throughput(cluster, k, steps))
+    return best
+
+
+def _train_on_rank(replicas, steps):
     rank = dist.get_rank()
     if rank >= replicas:
         dist.barrier()
         return None
-    # All ranks leave the barrier at about the same moment: a common start for the timing.
+    # Every rank leaves the barrier at about the same moment: a common start.
     return train_replica(steps, seed=rank, start_together=dist.barrier)
+
+
+@contextmanager
+def _one_intra_op_thread():
+    """Let torch ops use a single thread, so that a replica is one thread of work.
+
+    With OpenMP the setting belongs to the thread that makes it: a new thread does not
+    inherit it and would spread its ops over every core, so each replica's thread asks for
+    itself (and gives the setting back afterwards)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _throughput(intervals, steps):
     start = min(interval[0] for interval in intervals)
     end = max(interval[1] for interval in intervals)
     return len(intervals) * steps / ((end - start) / 1e9)
-
-
-def compare(cluster, replica_counts=(1, 2, 4), steps=40, repeats=3):
-    """Measure both arrangements for each K in ``replica_counts``.
-
-    Each measurement is repeated ``repeats`` times and the best kept (as ``timeit`` does):
-    other programs on the machine can only slow a run down, never speed it up. Returns
-    ``{"threads": [...], "processes": [...]}``, throughputs in replica-steps per second,
-    one per K, in the order of ``replica_counts``.
-    """
-    return {
-        "threads": [max(threads_throughput(k, steps) for _ in range(repeats)) for k in replica_counts],
-        "processes": [
-            max(processes_throughput(cluster, k, steps) for _ in range(repeats)) for k in replica_counts
-        ],
-    }
