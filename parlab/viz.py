@@ -27,18 +27,23 @@ def plot_timeline(timeline, ax=None, title=None):
     t0 = min((ev.start for ev in timeline.events), default=0.0)
     span_ms = max(timeline.duration * 1e3, 1e-6)
     legend = {}
+    lanes = _comm_lanes(timeline.events)
     for ev in timeline.events:
         start, width = (ev.start - t0) * 1e3, max(ev.duration * 1e3, span_ms / 2000)
         if ev.kind == COMPUTE:
             colour = COMPUTE_COLOURS.get(ev.name, OTHER_COMPUTE)
-            bottom, label = ev.rank - 0.42, _compute_label(ev)
+            bottom, height, label = ev.rank - 0.42, 0.4, _compute_label(ev)
         else:
+            # Transfers that overlap in time (an isend still pending during a recv) get
+            # lanes of their own in the lower half of the row instead of drawing on top.
+            lane, count = lanes[ev]
             colour = COMM_COLOURS.get(ev.name, OTHER_COMM)
-            bottom, label = ev.rank + 0.02, _comm_label(ev)
-        ax.broken_barh([(start, width)], (bottom, 0.4), facecolors=colour, edgecolor="white", linewidth=0.5)
+            height = 0.4 / count
+            bottom, label = ev.rank + 0.02 + lane * height, _comm_label(ev)
+        ax.broken_barh([(start, width)], (bottom, height), facecolors=colour, edgecolor="white", linewidth=0.5)
         legend.setdefault(ev.name, colour)
-        if width > span_ms * 0.03:
-            ax.text(start + width / 2, bottom + 0.2, label, ha="center", va="center", fontsize=7, color="white")
+        if width > span_ms * 0.03 and height >= 0.2:
+            ax.text(start + width / 2, bottom + height / 2, label, ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(timeline.world_size), [f"rank {r}" for r in range(timeline.world_size)])
     ax.set_ylim(timeline.world_size - 0.5, -0.5)
     ax.set_xlim(0, span_ms * 1.01)
@@ -48,6 +53,23 @@ def plot_timeline(timeline, ax=None, title=None):
         handles = [Patch(color=colour, label=name) for name, colour in legend.items()]
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     return ax
+
+
+def _comm_lanes(events):
+    """Event -> (lane, lanes on its rank): greedy interval partitioning of each rank's
+    communication events, so that events in one lane never overlap in time."""
+    placed, lane_ends = {}, {}
+    for ev in events:  # in start order
+        if ev.kind != COMM:
+            continue
+        ends = lane_ends.setdefault(ev.rank, [])
+        lane = next((i for i, end in enumerate(ends) if end <= ev.start), len(ends))
+        if lane == len(ends):
+            ends.append(ev.end)
+        else:
+            ends[lane] = ev.end
+        placed[ev] = lane
+    return {ev: (lane, len(lane_ends[ev.rank])) for ev, lane in placed.items()}
 
 
 def _compute_label(ev):
@@ -69,26 +91,25 @@ def plot_collective(before, after, title, axes=None):
     """
     import matplotlib.pyplot as plt
 
+    width = max(_longest(before), _longest(after))
     if axes is None:
-        width = max(_longest(before), _longest(after))
         _, axes = plt.subplots(
             1, 2, figsize=(2.4 + 1.2 * width, 0.5 * len(before) + 1.3), layout="constrained"
         )
     vmax = max([abs(v) for row in before + after if row is not None for v in _values(row)] or [1])
     for ax, rows, name in ((axes[0], before, "before"), (axes[1], after, "after")):
-        _draw_rows(ax, rows, vmax)
+        _draw_rows(ax, rows, vmax, width)
         ax.set_title(name, fontsize=10)
     axes[1].tick_params(labelleft=False)
     axes[0].figure.suptitle(title)
     return axes
 
 
-def _draw_rows(ax, rows, vmax):
+def _draw_rows(ax, rows, vmax, width):
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
     cmap = plt.get_cmap("Blues")
-    width = max(_longest(rows), 1)
     for rank, row in enumerate(rows):
         for i, value in enumerate(_values(row) if row is not None else []):
             shade = 0.15 + 0.6 * abs(value) / vmax
