@@ -5,6 +5,11 @@ import pytest
 
 import parlab
 
+# The graded exercises' options (--impl, --grade-task, --grade-report), marks (task, points)
+# and the impl fixture. pytest takes command-line options only from plugins and the root
+# conftest, so the plugin is loaded here rather than in tests/grading/conftest.py.
+pytest_plugins = ["parlab.grading_plugin"]
+
 
 @pytest.fixture(scope="session")
 def cluster2():
@@ -16,10 +21,3 @@ def cluster2():
 def cluster4():
     with parlab.Cluster(world_size=4, timeout=60) as cluster:
         yield cluster
-
-
-# --- Graded exercises (added by the grading machinery) -----------------------------------
-# parlab.grading_plugin registers --impl, --grade-task and --grade-report, the task and
-# points marks and the impl fixture; pytest takes command-line options only from plugins
-# and the root conftest, so it is loaded here.
-pytest_plugins = ["parlab.grading_plugin"]
