@@ -3,13 +3,16 @@
 Each collective works in place on the default process group, like ``dist.all_reduce``, on
 a contiguous tensor of any shape and length (it works on the flat view), and talks only
 through ``parlab.p2p``, so ``cluster.trace`` counts its traffic exactly. Symbols: N ranks,
-D bytes in the tensor, alpha seconds per message, beta seconds per byte.
+D bytes in the tensor, alpha seconds per message, beta seconds per byte (the times in the
+docstrings are those of ``parlab.alpha_beta.cost_model``).
 
 Chunks: ring and butterfly cut the flat tensor into chunks as even as possible; the first
 ``numel % N`` of the N chunks are one element longer (as ``torch.tensor_split``). After
 ``ring_reduce_scatter`` rank r owns the reduced chunk (r + 1) mod N; ``ring_all_gather``
-starts from there. Ops: "sum", "avg", "max", "min" or the matching ``dist.ReduceOp``;
-"avg" sums, then divides by N once, so it needs a floating-point tensor.
+starts from there. Both run the ring's schedule as data, ``ring_steps(N)``.
+
+Ops: "sum", "avg", "max", "min" or the matching ``dist.ReduceOp``; "avg" sums, then divides
+by N once, so it needs a floating-point tensor.
 
 The consistency check: a rank passing another shape, dtype, op or root would make the
 others hang or reduce garbage. With ``check=True`` (the default) a call first ring
@@ -18,15 +21,12 @@ same ValueError on every rank if they differ: N - 1 extra sends of ``METADATA_BY
 rank. Pass ``check=False`` on every rank to see the algorithm's own traffic alone.
 """
 
-import math
-import statistics
-import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from parlab import p2p
-from parlab.runtime import device
 
 OPS = ("sum", "avg", "max", "min")
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64)
@@ -61,9 +61,54 @@ def naive_allreduce(tensor, op="sum", root=0, check=True):
     return tensor
 
 
+@dataclass(frozen=True)
+class RingStep:
+    """One step of a ring phase, for all N ranks at once: rank r sends its chunk ``send[r]``
+    to rank (r + 1) mod N while it receives chunk ``receive[r]`` from rank (r - 1) mod N,
+    which it reduces into its own copy (``action`` "reduce") or writes over it ("copy")."""
+
+    phase: str  # "reduce-scatter" or "all-gather"
+    index: int  # s, the step within its phase: 0 .. N - 2
+    send: tuple
+    receive: tuple
+    action: str
+
+
+RING_PHASES = ("reduce-scatter", "all-gather")
+
+
+def ring_steps(N, phase=None):
+    """The ring all-reduce schedule as data: the N - 1 steps of the reduce-scatter, then the
+    N - 1 steps of the all-gather (only the steps of ``phase`` when it is given).
+
+    Reduce-scatter step s: rank r sends chunk (r - s) mod N, receives chunk (r - s - 1) mod N
+    and reduces it. All-gather step s: rank r sends chunk (r + 1 - s) mod N, receives chunk
+    (r - s) mod N and copies it. Either way rank r + 1 receives the chunk rank r sends.
+    ``ring_reduce_scatter`` and ``ring_all_gather`` run these steps; ``ring_contributions``
+    replays them on paper.
+    """
+    if N < 1 or phase not in (None, *RING_PHASES):
+        raise ValueError(
+            f"ring_steps needs N >= 1 and phase None, 'reduce-scatter' or 'all-gather'; got N={N}, phase={phase!r}."
+        )
+
+    def chunk_of_each_rank(offset):
+        return tuple((r + offset) % N for r in range(N))
+
+    steps = []
+    if phase in (None, "reduce-scatter"):
+        steps += [RingStep("reduce-scatter", s, chunk_of_each_rank(-s), chunk_of_each_rank(-s - 1), "reduce")
+                  for s in range(N - 1)]
+    if phase in (None, "all-gather"):
+        steps += [RingStep("all-gather", s, chunk_of_each_rank(1 - s), chunk_of_each_rank(-s), "copy")
+                  for s in range(N - 1)]
+    return steps
+
+
 def ring_reduce_scatter(tensor, op="sum", check=True):
-    """Ring reduce-scatter: N - 1 steps; at step s rank r sends chunk (r - s) mod N to rank
-    r + 1, receives chunk (r - s - 1) mod N from rank r - 1 and reduces it into its own copy.
+    """Ring reduce-scatter: the N - 1 "reduce-scatter" steps of ``ring_steps(N)``; at step s
+    rank r sends chunk (r - s) mod N to rank r + 1, receives chunk (r - s - 1) mod N from
+    rank r - 1 and reduces it into its own copy.
 
     Returns the index (r + 1) mod N of the chunk this rank now owns: that chunk of the flat
     tensor holds the reduction over all ranks; the other chunks hold partial results.
@@ -73,8 +118,8 @@ def ring_reduce_scatter(tensor, op="sum", check=True):
     rank, N = dist.get_rank(), dist.get_world_size()
     chunks = _chunks(flat, N)
     incoming = torch.empty_like(chunks[0])  # chunk 0 is the largest
-    for step in range(N - 1):
-        sent, received = chunks[(rank - step) % N], chunks[(rank - step - 1) % N]
+    for step in ring_steps(N, "reduce-scatter"):
+        sent, received = chunks[step.send[rank]], chunks[step.receive[rank]]
         buffer = incoming[: received.numel()]
         _exchange(sent, (rank + 1) % N, buffer, (rank - 1) % N)
         _reduce(op, received, buffer)
@@ -85,16 +130,17 @@ def ring_reduce_scatter(tensor, op="sum", check=True):
 
 def ring_all_gather(tensor, check=True):
     """Ring all-gather: starting from "rank r owns chunk (r + 1) mod N" (what
-    ``ring_reduce_scatter`` leaves), N - 1 steps; at step s rank r sends chunk
-    (r + 1 - s) mod N to rank r + 1 and receives chunk (r - s) mod N from rank r - 1.
-    Afterwards every rank holds every rank's owned chunk. Returns ``tensor``.
+    ``ring_reduce_scatter`` leaves), the N - 1 "all-gather" steps of ``ring_steps(N)``; at
+    step s rank r sends chunk (r + 1 - s) mod N to rank r + 1 and receives chunk (r - s) mod N
+    from rank r - 1, straight into place. Afterwards every rank holds every rank's owned
+    chunk. Returns ``tensor``.
     Each rank sends every chunk but (r + 2) mod N: (N - 1)/N D when N divides numel.
     """
     flat, _ = _prepare("ring_all_gather", tensor, None, None, check)
     rank, N = dist.get_rank(), dist.get_world_size()
     chunks = _chunks(flat, N)
-    for step in range(N - 1):
-        _exchange(chunks[(rank + 1 - step) % N], (rank + 1) % N, chunks[(rank - step) % N], (rank - 1) % N)
+    for step in ring_steps(N, "all-gather"):
+        _exchange(chunks[step.send[rank]], (rank + 1) % N, chunks[step.receive[rank]], (rank - 1) % N)
     return tensor
 
 
@@ -108,6 +154,29 @@ def ring_allreduce(tensor, op="sum", check=True):
     ring_reduce_scatter(flat, op, check=False)  # the owned chunk is already divided for "avg"
     ring_all_gather(flat, check=False)
     return tensor
+
+
+def ring_contributions(N, step):
+    """The state of a sum all-reduce by ring after the first ``step`` steps of
+    ``ring_steps(N)``, 0 <= step <= 2 (N - 1), worked out without running it: an N x N list
+    whose entry [r][c] is the frozenset of ranks whose chunk c is summed in rank r's chunk c.
+
+    Before any step every rank holds only its own data: {r}. At each step every rank sends
+    what it held before the step, so a "reduce" adds the sender's set to the receiver's and
+    a "copy" replaces it. After the reduce-scatter (step N - 1) rank r's chunk (r + 1) mod N
+    holds all N ranks; after the all-gather (step 2 (N - 1)) every chunk does.
+    """
+    steps = ring_steps(N)
+    if not 0 <= step <= len(steps):
+        raise ValueError(f"step must be between 0 and 2 (N - 1) = {len(steps)}, got {step}.")
+    held = [[frozenset([r])] * N for r in range(N)]
+    for ring_step in steps[:step]:
+        before, held = held, [list(row) for row in held]
+        for r in range(N):
+            chunk = ring_step.receive[r]
+            arriving = before[(r - 1) % N][chunk]
+            held[r][chunk] = held[r][chunk] | arriving if ring_step.action == "reduce" else arriving
+    return held
 
 
 def butterfly_allreduce(tensor, op="sum", check=True):
@@ -202,88 +271,6 @@ def tree_reduce(tensor, root=0, op="sum", check=True):
         m *= 2
     _average(op, flat, N)
     return tensor
-
-
-def cost_model(algorithm, D, N, alpha, beta):
-    """Predicted seconds of one collective of D bytes on N ranks under the alpha-beta model
-    (a message of D bytes takes alpha + D beta):
-
-    ==================  =====================================================
-    algorithm           predicted time
-    ==================  =====================================================
-    "naive"             2 (N - 1) (alpha + D beta)   (the root, serialised)
-    "ring"              2 (N - 1) alpha + 2 (N - 1)/N D beta
-    "butterfly"         2 log2(N) alpha + 2 (N - 1)/N D beta   (N = 2^k)
-                        2 log2(P) alpha + 2 (P - 1)/P D beta + 2 (alpha + D beta)
-                        otherwise, with P the largest power of two below N
-    "tree_broadcast"    ceil(log2 N) (alpha + D beta)
-    "tree_reduce"       ceil(log2 N) (alpha + D beta)
-    ==================  =====================================================
-    """
-    if N < 1:
-        raise ValueError(f"cost_model needs N >= 1 ranks, got N={N}.")
-    if algorithm == "naive":
-        return 2 * (N - 1) * (alpha + D * beta)
-    if algorithm == "ring":
-        return 2 * (N - 1) * alpha + 2 * (N - 1) / N * D * beta
-    if algorithm == "butterfly":
-        P = 1 << (N.bit_length() - 1)
-        fold = 0 if P == N else 2 * (alpha + D * beta)
-        return 2 * math.log2(P) * alpha + 2 * (P - 1) / P * D * beta + fold
-    if algorithm in ("tree_broadcast", "tree_reduce"):
-        return math.ceil(math.log2(N)) * (alpha + D * beta)
-    raise ValueError(
-        f"unknown algorithm {algorithm!r}; choose one of 'naive', 'ring', 'butterfly', 'tree_broadcast', 'tree_reduce'."
-    )
-
-
-def fit_alpha_beta(sizes_bytes, seconds):
-    """Least-squares fit of the point-to-point model t = alpha + D beta to measured pairs
-    (D in ``sizes_bytes``, t in ``seconds``). Returns (alpha, beta) in seconds and
-    seconds per byte: beta = cov(D, t) / var(D), alpha = mean(t) - beta mean(D).
-    """
-    if len(sizes_bytes) != len(seconds) or len(set(sizes_bytes)) < 2:
-        raise ValueError(
-            "fit_alpha_beta needs one time per size and at least two different sizes; "
-            f"got {len(sizes_bytes)} sizes ({len(set(sizes_bytes))} different) and {len(seconds)} times."
-        )
-    mean_D, mean_t = statistics.fmean(sizes_bytes), statistics.fmean(seconds)
-    covariance = sum((D - mean_D) * (t - mean_t) for D, t in zip(sizes_bytes, seconds))
-    variance = sum((D - mean_D) ** 2 for D in sizes_bytes)
-    beta = covariance / variance
-    return mean_t - beta * mean_D, beta
-
-
-def measure_p2p(sizes, repeats=10):
-    """Ping-pong between ranks 0 and 1: for each message size D (bytes) rank 0 sends D bytes,
-    rank 1 sends them back, ``repeats`` times after one warm-up round trip. Returns on rank 0
-    the list of (D, median half round trip in seconds) in increasing D, ready for
-    ``fit_alpha_beta``; the other ranks return None (ranks 2 and up take no part).
-    """
-    if dist.get_world_size() < 2:
-        raise ValueError("measure_p2p needs two ranks; run it on a cluster with world_size=2.")
-    if repeats < 1 or any(size < 0 for size in sizes):
-        raise ValueError(f"measure_p2p needs repeats >= 1 and sizes >= 0 bytes, got repeats={repeats}, sizes={sizes}.")
-    rank = dist.get_rank()
-    if rank > 1:
-        return None
-    pairs = []
-    for size in sorted(sizes):
-        message = torch.zeros(size, dtype=torch.uint8, device=device())
-        times = []
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            if rank == 0:
-                p2p.send(message, 1)
-                p2p.recv(message, 1)
-            else:
-                p2p.recv(message, 0)
-                p2p.send(message, 0)
-            if message.is_cuda:
-                torch.cuda.synchronize()  # NCCL returns before the bytes have moved
-            times.append((time.perf_counter() - start) / 2)
-        pairs.append((size, statistics.median(times[1:])))
-    return pairs if rank == 0 else None
 
 
 def _exchange(outgoing, dst, incoming, src):

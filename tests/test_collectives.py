@@ -1,5 +1,5 @@
 """parlab.collectives on real ranks: the same numbers as torch.distributed, exact traffic
-counted from the trace, clear errors for mistakes, and the alpha-beta cost model."""
+counted from the trace, clear errors for mistakes, and the ring's schedule as data."""
 
 import math
 
@@ -12,11 +12,11 @@ from parlab import collectives
 from parlab.collectives import (
     METADATA_BYTES,
     butterfly_allreduce,
-    cost_model,
-    fit_alpha_beta,
-    measure_p2p,
     naive_allreduce,
     ring_allreduce,
+    ring_contributions,
+    ring_reduce_scatter,
+    ring_steps,
     tree_broadcast,
     tree_reduce,
 )
@@ -204,6 +204,84 @@ def test_the_consistency_check_costs_N_minus_1_small_messages(cluster4):
     assert [len(sends(checked, r)) for r in range(N)] == [3 * (N - 1)] * N
 
 
+# --- the ring's schedule as data ------------------------------------------------------------
+
+
+@pytest.mark.timeout(10)
+def test_ring_steps_match_the_hand_computed_schedule_at_3_ranks():
+    steps = ring_steps(3)
+    assert [(step.phase, step.index, step.action) for step in steps] == [
+        ("reduce-scatter", 0, "reduce"), ("reduce-scatter", 1, "reduce"),
+        ("all-gather", 0, "copy"), ("all-gather", 1, "copy"),
+    ]
+    assert [(step.send, step.receive) for step in steps] == [
+        ((0, 1, 2), (2, 0, 1)), ((2, 0, 1), (1, 2, 0)),  # reduce-scatter: rank r starts with chunk r
+        ((1, 2, 0), (0, 1, 2)), ((0, 1, 2), (2, 0, 1)),  # all-gather: rank r starts with chunk r + 1
+    ]
+    assert ring_steps(3, "all-gather") == steps[2:]
+    assert ring_steps(1) == []
+    with pytest.raises(ValueError, match="'reduce-scatter' or 'all-gather'"):
+        ring_steps(3, "all-reduce")
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("N", range(2, 9))
+def test_every_ring_step_receives_what_the_left_neighbour_sends(N):
+    for step in ring_steps(N):
+        assert step.receive == tuple(step.send[(r - 1) % N] for r in range(N))
+        assert sorted(step.send) == list(range(N))  # each chunk moves once per step
+    for phase, never_sent in (("reduce-scatter", 1), ("all-gather", 2)):
+        for r in range(N):  # every chunk but (r + 1) mod N, resp. (r + 2) mod N, leaves rank r once
+            sent = [step.send[r] for step in ring_steps(N, phase)]
+            assert sorted(sent) == sorted(c for c in range(N) if c != (r + never_sent) % N)
+
+
+def counts(held):
+    return [[len(ranks) for ranks in row] for row in held]
+
+
+@pytest.mark.timeout(10)
+def test_ring_contributions_match_a_hand_worked_ring_of_3():
+    assert ring_contributions(3, 0) == [[{0}] * 3, [{1}] * 3, [{2}] * 3]
+    assert ring_contributions(3, 1) == [[{0}, {0}, {0, 2}], [{0, 1}, {1}, {1}], [{2}, {1, 2}, {2}]]
+    assert counts(ring_contributions(3, 2)) == [[1, 3, 2], [2, 1, 3], [3, 2, 1]]  # owned: (r + 1) mod 3
+    assert counts(ring_contributions(3, 3)) == [[3, 3, 2], [2, 3, 3], [3, 2, 3]]
+    assert counts(ring_contributions(3, 4)) == [[3] * 3] * 3
+    with pytest.raises(ValueError, match="between 0 and 2"):
+        ring_contributions(3, 5)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("N", range(1, 9))
+def test_after_the_reduce_scatter_rank_r_owns_chunk_r_plus_1_and_after_the_all_gather_everyone_has_all(N):
+    everybody = set(range(N))
+    owned = ring_contributions(N, N - 1)
+    assert all(owned[r][(r + 1) % N] == everybody for r in range(N))
+    assert sum(ranks == everybody for row in owned for ranks in row) == N  # nobody else is complete
+    assert all(ranks == everybody for row in ring_contributions(N, 2 * (N - 1)) for ranks in row)
+
+
+def reduce_scatter_of_rank_bits(numel):
+    """Rank r contributes 2**r to every element: after a sum, the bits of a value say which
+    ranks are summed in it. Returns each chunk's set of ranks, as ``ring_contributions``."""
+    rank, N = dist.get_rank(), dist.get_world_size()
+    x = torch.full((numel,), 2**rank, dtype=torch.int64)
+    ring_reduce_scatter(x, check=False)
+    return [{k for k in range(N) if int(chunk[0]) >> k & 1} for chunk in x.tensor_split(N)]
+
+
+@pytest.mark.timeout(30)
+def test_ring_contributions_and_steps_match_a_real_traced_reduce_scatter(cluster4):
+    N, numel = 4, 4 * 5 + 1  # chunk 0 is one element longer: its sends stand out by size
+    timeline = cluster4.trace(reduce_scatter_of_rank_bits, numel)
+    assert timeline.results == ring_contributions(N, N - 1)
+    sizes = chunk_sizes(numel, N)
+    for r in range(N):
+        expected = [8 * sizes[step.send[r]] for step in ring_steps(N, "reduce-scatter")]  # int64
+        assert [ev.nbytes for ev in sends(timeline, r)] == expected
+        assert [ev.peer for ev in sends(timeline, r)] == [(r + 1) % N] * (N - 1)
+
+
 # --- mistakes a learner can make -----------------------------------------------------------
 
 
@@ -246,40 +324,3 @@ def test_local_mistakes_raise_value_error_before_any_communication(tensor, op, w
         with pytest.raises(ValueError) as error:
             allreduce(tensor, op)
         assert words in str(error.value)
-
-
-# --- the alpha-beta cost model --------------------------------------------------------------
-
-
-@pytest.mark.timeout(10)
-def test_cost_model_matches_hand_computed_times():
-    alpha, beta, D = 1e-5, 1e-9, 1e6  # 10 us per message, 1 GB/s, 1 MB
-    assert cost_model("naive", D, 4, alpha, beta) == pytest.approx(6 * (1e-5 + 1e-3))
-    assert cost_model("ring", D, 4, alpha, beta) == pytest.approx(6e-5 + 1.5e-3)
-    assert cost_model("butterfly", D, 4, alpha, beta) == pytest.approx(4e-5 + 1.5e-3)
-    assert cost_model("tree_broadcast", D, 4, alpha, beta) == pytest.approx(2 * (1e-5 + 1e-3))
-    assert cost_model("ring", D, 3, alpha, beta) == pytest.approx(4e-5 + 4 / 3 * 1e-3)
-    assert cost_model("butterfly", D, 3, alpha, beta) == pytest.approx(2e-5 + 1e-3 + 2 * (1e-5 + 1e-3))
-    assert cost_model("tree_broadcast", D, 3, alpha, beta) == pytest.approx(2 * (1e-5 + 1e-3))
-    assert [cost_model(a, D, 1, alpha, beta) for a in ("naive", "ring", "butterfly", "tree_broadcast")] == [0] * 4
-    with pytest.raises(ValueError, match="'ring'"):
-        cost_model("allreduce", D, 4, alpha, beta)
-
-
-@pytest.mark.timeout(10)
-def test_fit_alpha_beta_recovers_noiseless_parameters():
-    alpha, beta = 2e-5, 3e-10
-    sizes = [0, 1_000, 64_000, 1_000_000]
-    alpha_fit, beta_fit = fit_alpha_beta(sizes, [alpha + D * beta for D in sizes])
-    assert alpha_fit == pytest.approx(alpha, rel=1e-9)
-    assert beta_fit == pytest.approx(beta, rel=1e-9)
-    with pytest.raises(ValueError, match="two different sizes"):
-        fit_alpha_beta([8, 8], [1e-5, 1e-5])
-
-
-@pytest.mark.timeout(30)
-def test_measure_p2p_returns_increasing_sizes_with_positive_times(cluster2):
-    pairs, other = cluster2.run(measure_p2p, [1024, 8, 65536], repeats=3)
-    assert other is None
-    assert [size for size, _ in pairs] == [8, 1024, 65536]
-    assert all(seconds > 0 for _, seconds in pairs)

@@ -1,0 +1,117 @@
+"""The alpha-beta cost model: a message of D bytes between two ranks takes alpha + D beta.
+
+alpha (seconds) is the latency every message pays, however small: the call, the software
+stack, the wire's round of handshakes. beta (seconds per byte) is the inverse of the link's
+bandwidth. A collective is a sequence of messages, so its predicted time is a count of
+messages times alpha plus a count of bytes on the busiest rank times beta:
+``cost_model`` gives it for each of parlab's algorithms (symbols: N ranks, D bytes in the
+tensor). ``measure_p2p`` measures point-to-point times on two real ranks (a ping-pong) and
+``fit_alpha_beta`` fits the model's two numbers to them.
+"""
+
+import math
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from parlab import p2p
+from parlab.runtime import device
+
+# The all-reduce algorithms of the lecture; "tree" is tree_reduce followed by tree_broadcast.
+ALLREDUCE_ALGORITHMS = ("naive", "ring", "butterfly", "tree")
+
+
+def cost_model(algorithm, D, N, alpha, beta):
+    """Predicted seconds of one collective of D bytes on N ranks under the alpha-beta model
+    (a message of D bytes takes alpha + D beta):
+
+    ==================  =====================================================
+    algorithm           predicted time
+    ==================  =====================================================
+    "naive"             2 (N - 1) (alpha + D beta)   (the root, serialised)
+    "ring"              2 (N - 1) alpha + 2 (N - 1)/N D beta
+    "butterfly"         2 log2(N) alpha + 2 (N - 1)/N D beta   (N = 2^k)
+                        2 log2(P) alpha + 2 (P - 1)/P D beta + 2 (alpha + D beta)
+                        otherwise, with P the largest power of two below N
+    "tree"              2 ceil(log2 N) (alpha + D beta)   (reduce, then broadcast)
+    "tree_broadcast"    ceil(log2 N) (alpha + D beta)
+    "tree_reduce"       ceil(log2 N) (alpha + D beta)
+    ==================  =====================================================
+    """
+    if N < 1:
+        raise ValueError(f"cost_model needs N >= 1 ranks, got N={N}.")
+    if algorithm == "naive":
+        return 2 * (N - 1) * (alpha + D * beta)
+    if algorithm == "ring":
+        return 2 * (N - 1) * alpha + 2 * (N - 1) / N * D * beta
+    if algorithm == "butterfly":
+        P = 1 << (N.bit_length() - 1)
+        fold = 0 if P == N else 2 * (alpha + D * beta)
+        return 2 * math.log2(P) * alpha + 2 * (P - 1) / P * D * beta + fold
+    if algorithm in ("tree_broadcast", "tree_reduce"):
+        return math.ceil(math.log2(N)) * (alpha + D * beta)
+    if algorithm == "tree":
+        return 2 * math.ceil(math.log2(N)) * (alpha + D * beta)
+    raise ValueError(
+        f"unknown algorithm {algorithm!r}; choose one of 'naive', 'ring', 'butterfly', 'tree', "
+        "'tree_broadcast', 'tree_reduce'."
+    )
+
+
+def fit_alpha_beta(sizes_bytes, seconds):
+    """Least-squares fit of the point-to-point model t = alpha + D beta to measured pairs
+    (D in ``sizes_bytes``, t in ``seconds``). Returns (alpha, beta) in seconds and
+    seconds per byte.
+
+    The residuals are relative, (t - alpha - D beta) / t: weights w = 1 / t^2, then
+    beta = cov_w(D, t) / var_w(D) and alpha = mean_w(t) - beta mean_w(D). Sizes span many
+    decades and a timing's noise grows with it; unweighted, the largest message's few
+    per cent of noise would outweigh alpha itself, which the small messages measure.
+    """
+    if len(sizes_bytes) != len(seconds) or len(set(sizes_bytes)) < 2:
+        raise ValueError(
+            "fit_alpha_beta needs one time per size and at least two different sizes; "
+            f"got {len(sizes_bytes)} sizes ({len(set(sizes_bytes))} different) and {len(seconds)} times."
+        )
+    if min(seconds) <= 0:
+        raise ValueError(f"fit_alpha_beta needs measured times above zero, got {min(seconds)} s.")
+    weights = [1 / t**2 for t in seconds]
+    mean_D, mean_t = (sum(w * x for w, x in zip(weights, xs)) / sum(weights) for xs in (sizes_bytes, seconds))
+    covariance = sum(w * (D - mean_D) * (t - mean_t) for w, D, t in zip(weights, sizes_bytes, seconds))
+    variance = sum(w * (D - mean_D) ** 2 for w, D in zip(weights, sizes_bytes))
+    beta = covariance / variance
+    return mean_t - beta * mean_D, beta
+
+
+def measure_p2p(sizes, repeats=10):
+    """Ping-pong between ranks 0 and 1: for each message size D (bytes) rank 0 sends D bytes,
+    rank 1 sends them back, ``repeats`` times after one warm-up round trip. Returns on rank 0
+    the list of (D, median half round trip in seconds) in increasing D, ready for
+    ``fit_alpha_beta``; the other ranks return None (ranks 2 and up take no part).
+    """
+    if dist.get_world_size() < 2:
+        raise ValueError("measure_p2p needs two ranks; run it on a cluster with world_size=2.")
+    if repeats < 1 or any(size < 0 for size in sizes):
+        raise ValueError(f"measure_p2p needs repeats >= 1 and sizes >= 0 bytes, got repeats={repeats}, sizes={sizes}.")
+    rank = dist.get_rank()
+    if rank > 1:
+        return None
+    pairs = []
+    for size in sorted(sizes):
+        message = torch.zeros(size, dtype=torch.uint8, device=device())
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            if rank == 0:
+                p2p.send(message, 1)
+                p2p.recv(message, 1)
+            else:
+                p2p.recv(message, 0)
+                p2p.send(message, 0)
+            if message.is_cuda:
+                torch.cuda.synchronize()  # NCCL returns before the bytes have moved
+            times.append((time.perf_counter() - start) / 2)
+        pairs.append((size, statistics.median(times[1:])))
+    return pairs if rank == 0 else None

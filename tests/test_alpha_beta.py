@@ -1,0 +1,53 @@
+"""The alpha-beta cost model: predicted times by hand, the fit, the ping-pong measurement."""
+
+import pytest
+
+from parlab.alpha_beta import ALLREDUCE_ALGORITHMS, cost_model, fit_alpha_beta, measure_p2p
+
+
+@pytest.mark.timeout(10)
+def test_cost_model_matches_hand_computed_times():
+    alpha, beta, D = 1e-5, 1e-9, 1e6  # 10 us per message, 1 GB/s, 1 MB
+    assert cost_model("naive", D, 4, alpha, beta) == pytest.approx(6 * (1e-5 + 1e-3))
+    assert cost_model("ring", D, 4, alpha, beta) == pytest.approx(6e-5 + 1.5e-3)
+    assert cost_model("butterfly", D, 4, alpha, beta) == pytest.approx(4e-5 + 1.5e-3)
+    assert cost_model("tree_broadcast", D, 4, alpha, beta) == pytest.approx(2 * (1e-5 + 1e-3))
+    assert cost_model("ring", D, 3, alpha, beta) == pytest.approx(4e-5 + 4 / 3 * 1e-3)
+    assert cost_model("butterfly", D, 3, alpha, beta) == pytest.approx(2e-5 + 1e-3 + 2 * (1e-5 + 1e-3))
+    assert cost_model("tree_broadcast", D, 3, alpha, beta) == pytest.approx(2 * (1e-5 + 1e-3))
+    assert cost_model("tree", D, 4, alpha, beta) == pytest.approx(4 * (1e-5 + 1e-3))
+    assert [cost_model(a, D, 1, alpha, beta) for a in (*ALLREDUCE_ALGORITHMS, "tree_broadcast")] == [0] * 5
+    with pytest.raises(ValueError, match="'ring'"):
+        cost_model("allreduce", D, 4, alpha, beta)
+
+
+@pytest.mark.timeout(10)
+def test_fit_alpha_beta_recovers_noiseless_parameters():
+    alpha, beta = 2e-5, 3e-10
+    sizes = [0, 1_000, 64_000, 1_000_000]
+    alpha_fit, beta_fit = fit_alpha_beta(sizes, [alpha + D * beta for D in sizes])
+    assert alpha_fit == pytest.approx(alpha, rel=1e-9)
+    assert beta_fit == pytest.approx(beta, rel=1e-9)
+    with pytest.raises(ValueError, match="two different sizes"):
+        fit_alpha_beta([8, 8], [1e-5, 1e-5])
+
+
+@pytest.mark.timeout(10)
+def test_fit_alpha_beta_takes_alpha_from_the_small_messages_despite_noise_on_large_ones():
+    alpha, beta = 5e-5, 5e-10  # 50 us, 2 GB/s
+    sizes = [16, 1024, 65536, 2**20, 4 * 2**20]
+    times = [alpha + D * beta for D in sizes]
+    times[-2:] = [0.8 * times[-2], 1.1 * times[-1]]  # 1 MiB 20 % fast, 4 MiB 10 % slow
+    alpha_fit, beta_fit = fit_alpha_beta(sizes, times)
+    assert alpha_fit == pytest.approx(alpha, rel=0.01)  # unweighted least squares: 15 us
+    assert beta_fit == pytest.approx(beta, rel=0.1)
+    with pytest.raises(ValueError, match="above zero"):
+        fit_alpha_beta([8, 16], [1e-5, 0.0])
+
+
+@pytest.mark.timeout(30)
+def test_measure_p2p_returns_increasing_sizes_with_positive_times(cluster2):
+    pairs, other = cluster2.run(measure_p2p, [1024, 8, 65536], repeats=3)
+    assert other is None
+    assert [size for size, _ in pairs] == [8, 1024, 65536]
+    assert all(seconds > 0 for _, seconds in pairs)
