@@ -52,7 +52,7 @@ def naive_allreduce(tensor, op="sum", root=0, check=True):
         p2p.recv(flat, root)
         return tensor
     others = [peer for peer in range(N) if peer != root]
-    incoming = torch.empty_like(flat)
+    incoming = _scratch(flat, flat.numel())
     for peer in others:
         _reduce(op, flat, p2p.recv(incoming, peer))
     _average(op, flat, N)
@@ -117,7 +117,7 @@ def ring_reduce_scatter(tensor, op="sum", check=True):
     flat, op = _prepare("ring_reduce_scatter", tensor, op, None, check)
     rank, N = dist.get_rank(), dist.get_world_size()
     chunks = _chunks(flat, N)
-    incoming = torch.empty_like(chunks[0])  # chunk 0 is the largest
+    incoming = _scratch(flat, chunks[0].numel())  # chunk 0 is the largest
     for step in ring_steps(N, "reduce-scatter"):
         sent, received = chunks[step.send[rank]], chunks[step.receive[rank]]
         buffer = incoming[: received.numel()]
@@ -201,10 +201,10 @@ def butterfly_allreduce(tensor, op="sum", check=True):
         p2p.recv(flat, rank - P)
         return tensor
     if rank + P < N:
-        _reduce(op, flat, p2p.recv(torch.empty_like(flat), rank + P))
+        _reduce(op, flat, p2p.recv(_scratch(flat, flat.numel()), rank + P))
 
     bounds = _chunk_bounds(flat.numel(), P)
-    incoming = torch.empty_like(flat[: bounds[P // 2]])  # the first half is the largest
+    incoming = _scratch(flat, bounds[P // 2])  # the first half is the largest
     lo, hi = 0, P  # the chunks [lo, hi) this rank is responsible for
     distance = P // 2
     while distance >= 1:  # recursive halving
@@ -260,7 +260,7 @@ def tree_reduce(tensor, root=0, op="sum", check=True):
     flat, op = _prepare("tree_reduce", tensor, op, root, check)
     rank, N = dist.get_rank(), dist.get_world_size()
     v = (rank - root) % N
-    incoming = torch.empty_like(flat)
+    incoming = _scratch(flat, flat.numel())
     m = 1
     while m < N:
         if v & m:
@@ -280,6 +280,20 @@ def _exchange(outgoing, dst, incoming, src):
     request = p2p.isend(outgoing, dst)
     p2p.recv(incoming, src)
     request.wait()
+
+
+_scratch_buffers = {}
+
+
+def _scratch(like, numel):
+    """A receive buffer of ``numel`` elements of ``like``'s dtype and device, reused from call
+    to call (one per dtype and device, as large as the largest message so far): allocating
+    and first touching fresh megabytes on every call costs about as much as moving them."""
+    key = (like.dtype, like.device)
+    buffer = _scratch_buffers.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _scratch_buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+    return buffer[:numel]
 
 
 def _reduce(op, accumulator, incoming):
