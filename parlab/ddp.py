@@ -1,0 +1,264 @@
+"""Data parallelism (DDP) from scratch: every rank holds a whole replica of the model, reads
+its own shard of each batch, and the ranks average their gradients before every optimizer
+step, so the N_d replicas take the same step and stay equal.
+
+    model = DDP(model, variant="bucketed", bucket_cap_mb=25)   # broadcasts rank 0's weights
+    loss_fn(model(x_shard), y_shard).backward()                  # all-reduces start here...
+    model.finish_gradient_synchronization()                      # ...and are waited for here
+    optimizer.step()
+
+With a mean loss over each shard of B / N_d samples, the averaged gradient
+g = (1 / N_d) sum_r g_r is the gradient of the mean loss over the whole batch of B samples.
+
+The four variants of the lecture differ in two choices only: how gradients are grouped into
+buckets (one all-reduce per bucket) and when a bucket's all-reduce is launched.
+
+    variant        buckets                         launched
+    "naive"        one per parameter               after backward, one at a time
+    "flat"         one for all parameters          after backward
+    "overlapped"   one per parameter               during backward, as each gradient is ready
+    "bucketed"     up to bucket_cap_mb each        during backward, as each bucket is full
+
+Fewer, larger buckets pay the per-message latency (alpha) fewer times; launching during
+backward hides communication behind the gradients still being computed. "bucketed" gets
+both, which is why it is torch's ``DistributedDataParallel``.
+
+Communication is traced: each all-reduce records one "all_reduce" comm event (bytes of the
+bucket, start at launch, end when waited for), so ``cluster.trace`` shows how many
+all-reduces a step makes, in what order, and whether they overlap backward.
+"""
+
+import functools
+import math
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from parlab import trace
+
+# variant -> (the cap in MiB given to assign_buckets, launched during backward?). A cap of 0
+# gives every parameter a bucket of its own, an infinite cap one bucket for all.
+VARIANTS = {
+    "naive": (0, False),
+    "flat": (math.inf, False),
+    "overlapped": (0, True),
+    "bucketed": (None, True),  # None: the bucket_cap_mb argument
+}
+MB = 1024 * 1024  # bucket_cap_mb counts mebibytes, as torch's
+
+
+def assign_buckets(parameters, bucket_cap_mb):
+    """Group parameters into buckets: a list of lists of indices into ``parameters``.
+
+    ``parameters`` are given in registration order (``module.parameters()``); buckets are
+    filled in REVERSE order, because backward produces the gradients of the last layers
+    first, so the first bucket is ready first. A bucket closes when adding the next
+    parameter would take it over ``bucket_cap_mb`` MiB; a parameter larger than the cap
+    gets a bucket of its own. E.g. sizes [264, 144, 24] bytes with a cap of 168 bytes:
+    [[2, 1], [0]], all-reduces of 168 and 264 bytes.
+    """
+    if bucket_cap_mb < 0:
+        raise ValueError(f"bucket_cap_mb must be at least 0, got {bucket_cap_mb}.")
+    cap = bucket_cap_mb * MB
+    buckets, size = [], 0
+    for index in reversed(range(len(parameters))):
+        nbytes = parameters[index].numel() * parameters[index].element_size()
+        if not buckets or size + nbytes > cap:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(index)
+        size += nbytes
+    return buckets
+
+
+class DDP(torch.nn.Module):
+    """Wrap ``module`` for data-parallel training on the default process group (N_d ranks).
+
+    Construction broadcasts rank 0's parameters and buffers to every rank, so the replicas
+    start equal; the ranks must then build the same module. Gradients of the trainable
+    parameters (``requires_grad``) are averaged; frozen ones are left alone, and a
+    parameter reachable twice (tied weights) is one parameter, reduced once.
+
+    variant: "naive" | "flat" | "overlapped" | "bucketed" (table above); ``bucket_cap_mb``
+    is used by "bucketed".
+    all_reduce: ``all_reduce(tensor)`` sums ``tensor`` in place over all ranks. It may
+    return a handle to ``wait()`` for (asynchronous; the default is ``dist.all_reduce``
+    with ``async_op=True``) or return when done (e.g. ``parlab.collectives.ring_allreduce``:
+    each bucket is then reduced inside backward, and its sends and receives show up in the
+    trace too).
+    comm_hook: ``comm_hook(bucket) -> reduced bucket``, the flat 1-D bucket of this rank's
+    gradients in, their average over ranks out (or a handle whose ``wait()`` returns it,
+    e.g. a ``torch.futures.Future``). Default: sum with ``all_reduce``, divide by N_d. A
+    custom hook (compression: reduce in fp16, ...) does its own communication, so it
+    cannot be combined with ``all_reduce``.
+    broadcast_buffers: also broadcast rank 0's buffers at every forward (torch's default),
+    so buffers such as BatchNorm statistics stay equal.
+
+    Wrap a module once: the gradient hooks stay on its parameters. Every rank must use the
+    same parameters in each step (a parameter without a gradient contributes zeros).
+    """
+
+    def __init__(self, module, variant="bucketed", bucket_cap_mb=25, all_reduce=None, comm_hook=None,
+                 broadcast_buffers=True):
+        super().__init__()
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}; got {variant!r}.")
+        if not bucket_cap_mb > 0:
+            raise ValueError(
+                f"bucket_cap_mb is the size of a bucket in MiB and must be positive, got {bucket_cap_mb}; "
+                "25 is torch's default."
+            )
+        if all_reduce is not None and comm_hook is not None:
+            raise ValueError(
+                "pass all_reduce or comm_hook, not both: all_reduce is what the default comm hook "
+                "calls, a custom comm_hook does its own communication."
+            )
+        self.module = module
+        self.parameters_to_sync = [p for p in module.parameters() if p.requires_grad]  # tied ones once
+        if not self.parameters_to_sync:
+            raise ValueError(
+                "the module has no trainable parameters (all have requires_grad=False): there are no "
+                "gradients to average; unfreeze at least one parameter."
+            )
+        if len({p.dtype for p in self.parameters_to_sync}) > 1:
+            raise ValueError("a bucket holds one dtype: convert the module to one dtype first, e.g. module.float().")
+        self.variant, self.broadcast_buffers = variant, broadcast_buffers
+        self.all_reduce = all_reduce or functools.partial(dist.all_reduce, async_op=True)
+        self.comm_hook = comm_hook or self.average_with_all_reduce
+        self.world_size = dist.get_world_size()
+        _broadcast_from_rank0([*module.parameters(), *module.buffers()])
+
+        cap, during_backward = VARIANTS[variant]
+        self.buckets = [
+            Bucket([self.parameters_to_sync[i] for i in indices])
+            for indices in assign_buckets(self.parameters_to_sync, bucket_cap_mb if cap is None else cap)
+        ]
+        if during_backward:
+            for bucket in self.buckets:
+                for p in bucket.parameters:
+                    p.register_post_accumulate_grad_hook(functools.partial(self._gradient_ready, bucket))
+        self.launched = 0  # buckets launched so far in this step, always a prefix of self.buckets
+        self.require_gradient_sync = True
+
+    def extra_repr(self):
+        return f"variant={self.variant!r}, bucket bytes={[bucket.buffer.nbytes for bucket in self.buckets]}"
+
+    def forward(self, *args, **kwargs):
+        if self.broadcast_buffers:
+            _broadcast_from_rank0(list(self.module.buffers()))
+        with trace.span("forward"):
+            return self.module(*args, **kwargs)
+
+    def _gradient_ready(self, bucket, param):
+        """Post-accumulate-grad hook of ``param``: autograd calls it with the PARAMETER once
+        its ``param.grad`` holds this backward's whole gradient (a tied parameter's uses
+        summed). The gradient is ``param.grad``: a hook that all-reduced ``param`` or
+        ``param.data`` instead would sync the weights, which are equal already, and leave
+        each rank's gradient local: every rank would step with its own shard's gradient
+        and the replicas would drift apart.
+
+        A bucket is launched when its last gradient is ready; buckets are launched in order
+        so that every rank issues the same sequence of all-reduces, as torch's DDP does."""
+        if not self.require_gradient_sync:
+            return
+        bucket.ready += 1
+        while self.launched < len(self.buckets) and self.buckets[self.launched].is_full():
+            self._launch(self.buckets[self.launched])
+
+    def _launch(self, bucket):
+        bucket.copy_gradients_in()
+        bucket.reduction = self.comm_hook(bucket.buffer)
+        self.launched += 1
+
+    def finish_gradient_synchronization(self):
+        """Call after backward, before ``optimizer.step()``: launch the buckets not launched
+        yet (all of them for "naive" and "flat"), wait for every all-reduce in bucket order
+        and write the averaged gradients back into ``param.grad``. Inside ``no_sync`` it does
+        nothing."""
+        if not self.require_gradient_sync:
+            return
+        for index, bucket in enumerate(self.buckets):
+            if index == self.launched:
+                self._launch(bucket)
+            reduced = bucket.reduction.wait() if hasattr(bucket.reduction, "wait") else bucket.reduction
+            bucket.copy_gradients_out(reduced)
+            bucket.ready, bucket.reduction = 0, None
+        self.launched = 0
+
+    @contextmanager
+    def no_sync(self):
+        """Gradient accumulation: backward passes inside only accumulate into ``param.grad``
+        on this rank, with no communication; the next backward outside (and its
+        ``finish_gradient_synchronization``) averages the accumulated sums once.
+
+        Loss scaling: with M micro-batches per step (the synced one included), divide each
+        micro-batch's mean loss by M; the average over ranks divides by N_d. The result is
+        the gradient of the mean loss over all M x N_d micro-batches, i.e. the full batch."""
+        self.require_gradient_sync = False
+        try:
+            yield
+        finally:
+            self.require_gradient_sync = True
+
+    def average_with_all_reduce(self, bucket):
+        """The default comm hook: start ``all_reduce(bucket)`` and return a handle whose
+        ``wait()`` returns the bucket summed over the ranks and divided by N_d."""
+        return AllReduceInFlight(bucket, self.all_reduce, self.world_size)
+
+
+class Bucket:
+    """Parameters whose gradients travel together: copied into one flat buffer, reduced by
+    one all-reduce, copied back. (torch's ``gradient_as_bucket_view=True`` skips the copies
+    by making each ``param.grad`` a view into the buffer.)"""
+
+    def __init__(self, parameters):
+        self.parameters = parameters
+        self.numels = [p.numel() for p in parameters]
+        self.buffer = torch.zeros(sum(self.numels), dtype=parameters[0].dtype, device=parameters[0].device)
+        self.ready = 0  # gradients ready in this backward
+        self.reduction = None  # what the comm hook returned
+
+    def is_full(self):
+        return self.ready == len(self.parameters)
+
+    def copy_gradients_in(self):
+        # A parameter this step did not use has no gradient: it contributes zeros.
+        for p, piece in zip(self.parameters, self.buffer.split(self.numels)):
+            if p.grad is None:
+                piece.zero_()
+            else:
+                piece.copy_(p.grad.reshape(-1))
+
+    def copy_gradients_out(self, reduced):
+        for p, piece in zip(self.parameters, reduced.split(self.numels)):
+            if p.grad is None:
+                p.grad = piece.view_as(p).clone()
+            else:
+                p.grad.copy_(piece.view_as(p))
+
+
+class AllReduceInFlight:
+    """An all-reduce of a bucket, started and perhaps not finished. ``wait()`` waits for it,
+    records one "all_reduce" comm event (bytes of the bucket, from launch to now) and
+    returns the bucket divided by N_d: the average."""
+
+    def __init__(self, bucket, all_reduce, world_size):
+        self.bucket, self.world_size = bucket, world_size
+        self.start = trace.now()
+        self.work = all_reduce(bucket)
+
+    def wait(self):
+        if hasattr(self.work, "wait"):
+            self.work.wait()
+        nbytes = self.bucket.numel() * self.bucket.element_size()
+        trace.record_comm("all_reduce", None, nbytes, self.start, trace.now())
+        return self.bucket.div_(self.world_size)
+
+
+def _broadcast_from_rank0(tensors):
+    """Overwrite each tensor with rank 0's copy (traced: one "broadcast" event each)."""
+    for tensor in tensors:
+        start = trace.now()
+        dist.broadcast(tensor.detach(), src=0)
+        trace.record_comm("broadcast", 0, tensor.numel() * tensor.element_size(), start, trace.now())
