@@ -56,15 +56,16 @@ class WorkerPool:
         self._stacks = [self._path(rank, "stack") for rank in range(self.placement.world_size)]
         for rank in range(self.placement.world_size):
             parent_end, child_end = socket.socketpair()
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "parlab.runtime.worker"],
-                stdin=subprocess.PIPE,
-                stdout=open(self._logs[rank], "wb"),
-                stderr=subprocess.STDOUT,
-                pass_fds=(child_end.fileno(),),
-                env=self._environment(rank, child_end.fileno()),
-                start_new_session=True,
-            )
+            with open(self._logs[rank], "wb") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "parlab.runtime.worker"],
+                    stdin=subprocess.PIPE,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    pass_fds=(child_end.fileno(),),
+                    env=self._environment(rank, child_end.fileno()),
+                    start_new_session=True,
+                )
             child_end.close()
             self._procs.append(proc)
             self._conns.append(Connection(parent_end.detach()))
