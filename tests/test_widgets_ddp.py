@@ -131,7 +131,7 @@ def test_plot_buckets_draws_one_bar_per_parameter_and_per_bucket_in_the_bucket_c
 def test_bucket_widget_redraws_and_updates_its_readout_on_a_slider_move():
     widget = bucket_widget(three_layers(), ALPHA, BETA, backward_seconds=0.12, bucket_cap_mb=1)
     slider, readout, image = widget.children
-    assert readout.value.startswith("<b>1</b> buckets")
+    assert readout.value.startswith("<b>1</b> bucket;")
     assert "exposed communication <b>1.12 ms</b>" in readout.value  # alpha + 120 bytes beta
     picture = image.value
     slider.value = 2**-20  # 1 byte: a bucket per parameter

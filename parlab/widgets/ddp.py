@@ -141,7 +141,7 @@ def plot_buckets(model, bucket_cap_mb, alpha=ALPHA, beta=BETA, backward_seconds=
     ax.set_ylim(1.55, 0.45)
     ax.set_xlim(0, plan["step_end"] * 1e3 * 1.02)
     ax.set_xlabel("time since the start of backward (ms)")
-    ax.set_title(f"bucket_cap_mb = {bucket_cap_mb:.3g}: {len(plan['buckets'])} buckets, predicted end "
+    ax.set_title(f"bucket_cap_mb = {bucket_cap_mb:.3g}: {_buckets(len(plan['buckets']))}, predicted end "
                  f"{plan['step_end'] * 1e3:.3g} ms, exposed communication {plan['exposed'] * 1e3:.3g} ms", fontsize=10)
     return ax
 
@@ -160,7 +160,7 @@ def bucket_widget(model, alpha=ALPHA, beta=BETA, backward_seconds=0.01, paramete
         image.value = _png(lambda ax: plot_buckets(model, cap.value, alpha, beta, backward_seconds, parameter_ready,
                                                    ax), FIGSIZE)
         plan = bucket_overlap(model, cap.value, alpha, beta, backward_seconds, parameter_ready)
-        readout.value = (f"<b>{len(plan['buckets'])}</b> buckets; backward {plan['backward'] * 1e3:.3g} ms, "
+        readout.value = (f"{_buckets(len(plan['buckets']), bold=True)}; backward {plan['backward'] * 1e3:.3g} ms, "
                          f"step end {plan['step_end'] * 1e3:.3g} ms, exposed communication "
                          f"<b>{plan['exposed'] * 1e3:.3g} ms</b>")
 
@@ -235,6 +235,11 @@ def _time_bucketed_steps(build_model, make_batch, caps_mb, steps, loss_fn, lr):
             times.append(time.perf_counter() - start)
         results.append((len(ddp.buckets), times[1:]))
     return results
+
+
+def _buckets(count, bold=False):
+    number = f"<b>{count}</b>" if bold else str(count)
+    return f"{number} bucket" + ("s" if count != 1 else "")
 
 
 def _size(nbytes):
