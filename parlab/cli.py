@@ -9,13 +9,14 @@
 import argparse
 
 from parlab import doctor
-from parlab.bench import collectives, runtime, to_json
+from parlab.bench import collectives, ddp, runtime, to_json
 
 # A bench is a module of parlab.bench (see its docstring for what the module provides);
 # registering it here is all the command line needs.
 BENCHES = {
     "runtime": runtime,
     "collectives": collectives,
+    "ddp": ddp,
 }
 
 

@@ -1,7 +1,8 @@
 """Exercises and grading: generation from solutions, protection of edited files, the
 implementation travelling to the ranks, and proof that the grading tests bite: solutions
 score full marks, the generated stubs zero, a whole-tensor exchange loses exactly the
-traffic points, and a deadlocked implementation costs its points within 30 s."""
+traffic points, a deadlocked implementation costs its points within 30 s, and a DDP hook that
+all-reduces the weights instead of the gradients is told so."""
 
 import textwrap
 import time
@@ -175,6 +176,26 @@ def test_a_deadlocked_implementation_costs_its_points_within_30_s():
         f"not run: an earlier test of collectives.{task} timed out"
         for task in ("ring_reduce_scatter", "ring_all_gather", "ring_allreduce")
     }
+
+
+def test_ddp_solutions_score_full_marks_and_stubs_zero_quickly():
+    assert grade.score(grade.run_grading("ddp", impl=exercises.ROOT / "solutions")) == grade.Score(6, 6)
+    started = time.monotonic()
+    results = grade.run_grading("ddp", impl=exercises.ROOT / "exercises")
+    assert time.monotonic() - started < 30
+    assert grade.score(results) == grade.Score(0, 6)
+    # BucketedDDP plans its buckets with the learner's assign_buckets: that stub comes first.
+    assert all(test["reason"].startswith("NotImplementedError: assign_buckets is not implemented yet") for test in results)
+
+
+def test_a_ddp_hook_that_all_reduces_the_weights_is_told_so():
+    results = grade.run_grading("ddp", impl=FIXTURES / "weights_not_grads")
+    failed = [test for test in results if not test["passed"]]
+    assert [test["test"] for test in failed] == [
+        f"test_trains_like_one_process_on_the_full_batch[{n} ranks]" for n in (2, 4)
+    ]
+    for test in failed:
+        assert "your hook synchronises weights, not gradients" in test["reason"], test
 
 
 def test_one_task_is_graded_alone_and_a_broken_file_says_why(tmp_path, capsys):
