@@ -188,8 +188,14 @@ def test_ddp_solutions_score_full_marks_and_stubs_zero_quickly():
     assert all(test["reason"].startswith("NotImplementedError: assign_buckets is not implemented yet") for test in results)
 
 
-def test_a_ddp_hook_that_all_reduces_the_weights_is_told_so():
-    results = grade.run_grading("ddp", impl=FIXTURES / "weights_not_grads")
+def test_a_ddp_hook_that_all_reduces_the_weights_is_told_so(tmp_path):
+    # The classic hook mistake, made in an otherwise correct solution: the hook is handed
+    # the parameter, and this learner all-reduces it instead of its .grad.
+    solution = (exercises.ROOT / "solutions" / "ddp.py").read_text()
+    right = "torch.cat([p.grad.reshape(-1) for p in bucket])"
+    assert solution.count(right) == 1
+    (tmp_path / "ddp.py").write_text(solution.replace(right, "torch.cat([p.detach().reshape(-1) for p in bucket])"))
+    results = grade.run_grading("ddp", impl=tmp_path)
     failed = [test for test in results if not test["passed"]]
     assert [test["test"] for test in failed] == [
         f"test_trains_like_one_process_on_the_full_batch[{n} ranks]" for n in (2, 4)
