@@ -13,6 +13,7 @@ The helpers below keep every bench's output looking alike.
 import argparse
 import json
 import math
+import sys
 
 
 def positive_int(text):
@@ -59,3 +60,16 @@ def format_table(headers, rows):
 def to_json(result):
     """The result of a bench as one indented JSON object (what ``--json`` prints)."""
     return json.dumps(result, indent=2)
+
+
+def progress(bench, message):
+    """A progress line on stderr, so that stdout keeps only the table or the JSON."""
+    print(f"parlab bench {bench}: {message}", file=sys.stderr, flush=True)
+
+
+def synchronise(device):
+    """Wait for the GPU's queued work before reading the clock (a no-op on the CPU)."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

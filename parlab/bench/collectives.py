@@ -15,7 +15,6 @@ so that the timing is the algorithm's alone.
 
 import argparse
 import os
-import sys
 import time
 
 import torch
@@ -23,7 +22,7 @@ import torch.distributed as dist
 
 import parlab
 from parlab import collectives
-from parlab.bench import format_table, positive_int
+from parlab.bench import format_table, positive_int, progress, synchronise
 
 ALGORITHMS = {
     "torch": lambda x: dist.all_reduce(x),
@@ -59,7 +58,7 @@ def bench_collectives(world_sizes=(2, 4), sizes=DEFAULT_SIZES, device="cpu"):
     for world_size in world_sizes:
         with parlab.Cluster(world_size, device=device) as cluster:
             for size in sizes:
-                _progress(f"N={world_size}, {_human(size)} ...")
+                progress("collectives", f"N={world_size}, {_human(size)} ...")
                 seconds = cluster.run(time_algorithms, size)[0]
                 rows.extend(_bandwidth_rows(world_size, size, seconds))
     return {
@@ -81,12 +80,12 @@ def time_algorithms(size):
     seconds = {}
     for name, all_reduce in ALGORITHMS.items():
         all_reduce(tensor)  # warm-up: connections, allocations
-        _synchronise(tensor)
+        synchronise(tensor.device)
         dist.barrier()
         start = time.perf_counter()
         for _ in range(iters):
             all_reduce(tensor)
-        _synchronise(tensor)
+        synchronise(tensor.device)
         elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         seconds[name] = elapsed.item()
@@ -153,11 +152,6 @@ def plot_busbw(result, ax=None):
     return ax
 
 
-def _synchronise(tensor):
-    if tensor.is_cuda:
-        torch.cuda.synchronize()
-
-
 def _size(text):
     """argparse type: a byte count such as 4096, 1K, 4M or 1G (powers of 1024)."""
     units = {"K": 2**10, "M": 2**20, "G": 2**30}
@@ -177,6 +171,3 @@ def _human(nbytes):
             return f"{nbytes / scale:g}{unit}"
     return f"{nbytes}B"
 
-
-def _progress(message):
-    print(f"parlab bench collectives: {message}", file=sys.stderr, flush=True)

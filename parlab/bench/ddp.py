@@ -14,7 +14,6 @@ steps after ``WARMUP_STEPS`` unmeasured ones, and ``ratio`` = that median / torc
 
 import os
 import statistics
-import sys
 import time
 
 import torch
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 import parlab
-from parlab.bench import format_seconds, format_table, positive_int
+from parlab.bench import format_seconds, format_table, positive_int, progress, synchronise
 from parlab.ddp import DDP
 
 VARIANTS = ["torch", "naive", "flat", "overlapped", "bucketed"]
@@ -57,9 +56,9 @@ def bench_ddp(world_sizes=(2, 4), steps=20, width=1024, depth=4, batch_size=64, 
         raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}; 25 is torch's default.")
     rows, backend = [], None
     for world_size in world_sizes:
-        _progress(f"N={world_size}: starting {world_size} ranks ...")
+        progress("ddp", f"N={world_size}: starting {world_size} ranks ...")
         with parlab.Cluster(world_size, device=device) as cluster:
-            _progress(f"N={world_size}: {WARMUP_STEPS} + {steps} steps of {', '.join(VARIANTS)} ...")
+            progress("ddp", f"N={world_size}: {WARMUP_STEPS} + {steps} steps of {', '.join(VARIANTS)} ...")
             measured = cluster.run(time_steps, steps, width, depth, batch_size, bucket_cap_mb)[0]
         backend = measured["backend"]
         torch_median = statistics.median(measured["seconds"]["torch"])
@@ -123,7 +122,7 @@ def time_steps(steps, width, depth, batch_size, bucket_cap_mb):
     seconds = {variant: [] for variant in VARIANTS}
     for step in range(WARMUP_STEPS + steps):
         for variant, (wrapped, optimizer) in trainers.items():
-            _synchronise(device)
+            synchronise(device)
             dist.barrier()
             start = time.perf_counter()
             optimizer.zero_grad()
@@ -131,7 +130,7 @@ def time_steps(steps, width, depth, batch_size, bucket_cap_mb):
             if variant != "torch":
                 wrapped.finish_gradient_synchronization()
             optimizer.step()
-            _synchronise(device)
+            synchronise(device)
             if step >= WARMUP_STEPS:
                 seconds[variant].append(time.perf_counter() - start)
     per_step = torch.tensor([seconds[variant] for variant in VARIANTS], dtype=torch.float64)
@@ -159,11 +158,3 @@ def format_report(result):
         f"{result['cpu_count']} CPU cores\n\n{table}"
     )
 
-
-def _synchronise(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _progress(message):
-    print(f"parlab bench ddp: {message}", file=sys.stderr, flush=True)

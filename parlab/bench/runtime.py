@@ -13,7 +13,6 @@ group set-up included; ``ratio = spawn_median_s / cluster_median_s``.
 
 import os
 import statistics
-import sys
 import time
 from datetime import timedelta
 
@@ -22,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import parlab
-from parlab.bench import format_seconds, format_table, percentile, positive_int
+from parlab.bench import format_seconds, format_table, percentile, positive_int, progress
 
 # The first calls on a new cluster are slower (first unpickling, lazy imports on the ranks).
 WARMUP_CALLS = 3
@@ -103,11 +102,11 @@ def trivial_work():
 
 def _time_cluster(world_size, repeats):
     """(start-up time, per-call times) of a persistent Cluster on the CPU."""
-    _progress(f"starting a {world_size}-rank parlab.Cluster ...")
+    progress("runtime", f"starting a {world_size}-rank parlab.Cluster ...")
     start = time.perf_counter()
     with parlab.Cluster(world_size, device="cpu") as cluster:
         start_up = time.perf_counter() - start
-        _progress(f"timing {repeats} calls on it ...")
+        progress("runtime", f"timing {repeats} calls on it ...")
         for _ in range(WARMUP_CALLS):
             cluster.run(trivial_work)
         times = []
@@ -124,7 +123,7 @@ def _time_spawn(world_size, spawn_repeats):
     OS picks, as in a Cluster, so runs never collide on a port."""
     times = []
     for attempt in range(1, spawn_repeats + 1):
-        _progress(f"spawning {world_size} fresh processes, {attempt}/{spawn_repeats} ...")
+        progress("runtime", f"spawning {world_size} fresh processes, {attempt}/{spawn_repeats} ...")
         start = time.perf_counter()
         store = dist.TCPStore(
             "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT
@@ -140,6 +139,3 @@ def _spawned_rank(rank, world_size, store_port):
     trivial_work()
     dist.destroy_process_group()
 
-
-def _progress(message):
-    print(f"parlab bench runtime: {message}", file=sys.stderr, flush=True)
