@@ -1,0 +1,31 @@
+"""ZeRO and FSDP from scratch: shard the model states of data parallelism over N_d ranks.
+
+    stage 0   ZeroDP(model, torch.optim.Adam, stage=0)   every rank holds everything (DDP)
+    stage 1   ZeroDP(..., stage=1)     optimizer state sharded             P_os
+    stage 2   ZeroDP(..., stage=2)     + gradients sharded                 P_os+g
+    stage 3   FSDP(model, torch.optim.Adam, strategy="FULL_SHARD")        P_os+g+p
+
+Every engine is called like the model, and after ``loss.backward()`` takes its step with
+``engine.step()``; ``engine.model_state_bytes()`` measures what the rank holds, to compare
+with ``parlab.memory.model_state_bytes``. ``parlab.zero.flat`` is the sharding they share;
+``parlab.zero.checkpoint`` saves and loads full and sharded checkpoints.
+"""
+
+import importlib
+
+_PUBLIC = {
+    "FlatLayout": "parlab.zero.flat",
+    "ZeroDP": "parlab.zero.stages",
+    "FSDP": "parlab.zero.fsdp",
+}
+
+
+def __getattr__(name):
+    # Imported on first use: each engine is its own module, and a learner reading one
+    # should not pay for importing the others.
+    if name in _PUBLIC:
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'parlab.zero' has no attribute {name!r}")
+
+
+__all__ = list(_PUBLIC)
