@@ -75,8 +75,7 @@ def model_state_bytes(psi, stage, n_d, k=12, param_bytes=2, grad_bytes=2):
     """
     _check_sizes(psi=psi, k=k, param_bytes=param_bytes, grad_bytes=grad_bytes)
     _check_stage(stage)
-    if n_d < 1 or int(n_d) != n_d:
-        raise ValueError(f"n_d (N_d, the data-parallel degree) must be a whole number of ranks >= 1, got {n_d}.")
+    _check_ranks(n_d)
     return ModelState(
         params=param_bytes * psi / (n_d if stage >= 3 else 1),
         grads=grad_bytes * psi / (n_d if stage >= 2 else 1),
@@ -109,8 +108,7 @@ def ring_traffic_bytes(numel, n_d, element_bytes, stage):
 
     Exact for every rank when N_d divides numel; with uneven chunks it is the mean over ranks.
     """
-    if n_d < 1 or int(n_d) != n_d:
-        raise ValueError(f"n_d must be a whole number of ranks >= 1, got {n_d}.")
+    _check_ranks(n_d)
     _check_sizes(element_bytes=element_bytes)
     return (n_d - 1) * communication_volume(numel, stage) * element_bytes / n_d
 
@@ -267,6 +265,11 @@ def _count_unique_storages(tensors, seen):
 def _check_stage(stage):
     if stage not in STAGES:
         raise ValueError(f"stage must be a ZeRO stage 0, 1, 2 or 3 (0 is plain data parallelism), got {stage!r}.")
+
+
+def _check_ranks(n_d):
+    if n_d < 1 or int(n_d) != n_d:
+        raise ValueError(f"n_d (N_d, the data-parallel degree) must be a whole number of ranks >= 1, got {n_d}.")
 
 
 def _ranks(gpus_per_node, nodes):
