@@ -1,0 +1,132 @@
+"""The timed simulator of a pipeline schedule, the closed forms of its bubble, and the bubble
+of any timeline, simulated or measured.
+
+    simulate(schedule, t_f, t_b, t_w, t_comm)   start and end of every action; a Timeline
+    bubble_fraction(timeline)                   idle fraction of a Timeline's compute
+    bubble_formula(K, M, v)                     (K - 1) / (v M + K - 1)   (the lecture's form)
+    bubble_ratio_playbook(K, M, v)              (K - 1) / (v M)           (Ultra-Scale Playbook)
+
+Each rank runs its action list in order; an action starts when its rank is free and every
+action it depends on (``parlab.pipeline.schedule.dependencies``) has ended, plus ``t_comm``
+when that action ran on another rank. Times are per stage (per model chunk: for an
+interleaved schedule pass t / v). Any number type works: with ``fractions.Fraction`` times
+the results are exact.
+
+Units: the simulator's times go into its Timeline as seconds (one unit = 1 s, stored as
+integer nanoseconds), so a simulation with times in seconds lines up with a measured
+timeline of the same schedule; ``Simulation.plot`` labels its axis in the simulator's units.
+"""
+
+from dataclasses import dataclass
+
+from parlab.pipeline.schedule import dependencies, dependency_order, validate
+from parlab.trace import COMPUTE, Timeline
+
+NS_PER_UNIT = 10**9
+EVENT_NAMES = {"F": "forward", "B": "backward", "W": "weight"}
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """The simulated step of ``schedule``: ``times`` maps each Action to (start, end);
+    ``step_time`` is the last end (the first action starts at 0); ``busy[r]`` the compute
+    time of rank r; ``bubble_fraction`` = 1 - sum(busy) / (K step_time);
+    ``peak_activations[r]`` the most (stage, micro-batch) activations rank r holds at once
+    (F done, B not yet: for an interleaved schedule each is one chunk, 1/v of the rank's
+    layers); ``timeline`` one COMPUTE event per action, for ``parlab.viz.plot_timeline``."""
+
+    schedule: object
+    times: dict
+    step_time: object
+    busy: list
+    bubble_fraction: object
+    peak_activations: list
+    timeline: Timeline
+
+    def plot(self, ax=None, title=None):
+        """Gantt chart of the simulated step (``parlab.viz.plot_timeline``): one row per
+        rank, a block per action labelled with its kind and micro-batch, time in the
+        simulator's units. Returns the axes."""
+        from matplotlib.ticker import FuncFormatter
+
+        from parlab.viz import plot_timeline
+
+        s = self.schedule
+        title = title or (f"{s.name}: K = {s.num_ranks}, M = {s.num_microbatches}"
+                          + (f", v = {s.stages_per_rank}" if s.stages_per_rank > 1 else "")
+                          + f", bubble {float(self.bubble_fraction):.1%} (simulated)")
+        ax = plot_timeline(self.timeline, ax=ax, title=title)
+        # plot_timeline draws milliseconds; one simulator unit is one second of the Timeline.
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1e3:g}"))
+        ax.set_xlabel("time (simulator units, those of t_f and t_b)")
+        return ax
+
+
+def simulate(schedule, t_f=1.0, t_b=2.0, t_w=0, t_comm=0):
+    """Run ``schedule`` (validated first) on the clock: F costs ``t_f``, B ``t_b``, W ``t_w``
+    (only a schedule with W actions may have t_w > 0: otherwise B is the whole backward),
+    and a result crossing ranks arrives ``t_comm`` after its producer ends. Returns a
+    ``Simulation``."""
+    validate(schedule)
+    if not (t_f > 0 and t_b > 0 and t_w >= 0 and t_comm >= 0):
+        raise ValueError(f"times must be t_f > 0, t_b > 0, t_w >= 0, t_comm >= 0; got t_f = {t_f}, t_b = {t_b}, "
+                         f"t_w = {t_w}, t_comm = {t_comm}.")
+    if t_w and not schedule.has_weight_actions:
+        raise ValueError(f"{schedule.name} has no W actions, so its B is the whole backward: add the weight-gradient "
+                         f"time to t_b and leave t_w = 0.")
+    cost = {"F": t_f, "B": t_b, "W": t_w}
+    K = schedule.num_ranks
+    free, times = [0] * K, {}
+    # dependency_order lists every action after all it depends on and in its rank's order,
+    # so one pass settles each start time.
+    for action in dependency_order(schedule):
+        rank = schedule.rank_of(action.stage)
+        start = free[rank]
+        for needed in dependencies(schedule, action):
+            delay = t_comm if schedule.rank_of(needed.stage) != rank else 0
+            start = max(start, times[needed][1] + delay)
+        times[action] = (start, start + cost[action.kind])
+        free[rank] = start + cost[action.kind]
+    busy = [sum(cost[a.kind] for a in row) for row in schedule.actions]
+    step_time = max(end for _, end in times.values())
+    events = [(schedule.rank_of(a.stage), COMPUTE, EVENT_NAMES[a.kind], round(start * NS_PER_UNIT),
+               round(end * NS_PER_UNIT), None, 0, a.stage, a.microbatch) for a, (start, end) in times.items()]
+    return Simulation(schedule, times, step_time, busy, idle_fraction(busy, step_time),
+                      [_peak_activations(row) for row in schedule.actions], Timeline(events, K))
+
+
+def bubble_fraction(timeline):
+    """The bubble of any ``parlab.trace.Timeline`` (simulated or measured), from its COMPUTE
+    events only: 1 - (sum over the K ranks of their busy time) / (K x makespan), the
+    makespan running from the first compute start to the last compute end on any rank."""
+    spans = timeline.select(kind=COMPUTE)
+    if not spans:
+        raise ValueError("the timeline has no compute spans: trace a pipeline step that marks forward/backward.")
+    busy = [sum(ev.duration for ev in spans if ev.rank == r) for r in range(timeline.world_size)]
+    return idle_fraction(busy, max(ev.end for ev in spans) - min(ev.start for ev in spans))
+
+
+def idle_fraction(busy, makespan):
+    """1 - sum(busy) / (K makespan), K = len(busy): the share of K ranks' time spent idle."""
+    return 1 - sum(busy) / (len(busy) * makespan)
+
+
+def bubble_formula(K, M, v=1):
+    """Idle fraction of a GPipe/1F1B step (v = 1) or interleaved 1F1B step (v chunks of time
+    t / v) with equal stages: (K - 1) / (v M + K - 1). Each rank idles (K - 1)(t_f + t_b) / v
+    out of a step of M (t_f + t_b) + (K - 1)(t_f + t_b) / v."""
+    return (K - 1) / (v * M + K - 1)
+
+
+def bubble_ratio_playbook(K, M, v=1):
+    """The Ultra-Scale Playbook's bubble: idle time over ideal time, r = (K - 1) / (v M).
+    It is the same bubble as ``bubble_formula``: f = r / (1 + r)."""
+    return (K - 1) / (v * M)
+
+
+def _peak_activations(row):
+    held = peak = 0
+    for action in row:
+        held += {"F": 1, "B": -1, "W": 0}[action.kind]
+        peak = max(peak, held)
+    return peak
