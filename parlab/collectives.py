@@ -6,6 +6,11 @@ through ``parlab.p2p``, so ``cluster.trace`` counts its traffic exactly. Symbols
 D bytes in the tensor, alpha seconds per message, beta seconds per byte (the times in the
 docstrings are those of ``parlab.alpha_beta.cost_model``).
 
+Subgroups: the three ring collectives take ``group=`` (from ``dist.new_group(ranks)``) and are
+then called by the group's members only; the ring goes round the group's ranks, N is the
+group's size and r a rank's place in it (FSDP's HYBRID_SHARD shards its parameters within
+one group and averages gradients across another).
+
 Chunks: ring and butterfly cut the flat tensor into chunks as even as possible; the first
 ``numel % N`` of the N chunks are one element longer (as ``torch.tensor_split``). After
 ``ring_reduce_scatter`` rank r owns the reduced chunk (r + 1) mod N; ``ring_all_gather``
@@ -105,7 +110,7 @@ def ring_steps(N, phase=None):
     return steps
 
 
-def ring_reduce_scatter(tensor, op="sum", check=True):
+def ring_reduce_scatter(tensor, op="sum", check=True, group=None):
     """Ring reduce-scatter: the N - 1 "reduce-scatter" steps of ``ring_steps(N)``; at step s
     rank r sends chunk (r - s) mod N to rank r + 1, receives chunk (r - s - 1) mod N from
     rank r - 1 and reduces it into its own copy.
@@ -114,21 +119,22 @@ def ring_reduce_scatter(tensor, op="sum", check=True):
     tensor holds the reduction over all ranks; the other chunks hold partial results.
     Each rank sends every chunk but its owned one: (N - 1)/N D when N divides numel.
     """
-    flat, op = _prepare("ring_reduce_scatter", tensor, op, None, check)
-    rank, N = dist.get_rank(), dist.get_world_size()
+    flat, op = _prepare("ring_reduce_scatter", tensor, op, None, check, group)
+    rank, N = dist.get_rank(group), dist.get_world_size(group)
     chunks = _chunks(flat, N)
     incoming = _scratch(flat, chunks[0].numel())  # chunk 0 is the largest
+    right, left = _global(group, rank + 1), _global(group, rank - 1)
     for step in ring_steps(N, "reduce-scatter"):
         sent, received = chunks[step.send[rank]], chunks[step.receive[rank]]
         buffer = incoming[: received.numel()]
-        _exchange(sent, (rank + 1) % N, buffer, (rank - 1) % N)
+        _exchange(sent, right, buffer, left)
         _reduce(op, received, buffer)
     owned = (rank + 1) % N
     _average(op, chunks[owned], N)
     return owned
 
 
-def ring_all_gather(tensor, check=True):
+def ring_all_gather(tensor, check=True, group=None):
     """Ring all-gather: starting from "rank r owns chunk (r + 1) mod N" (what
     ``ring_reduce_scatter`` leaves), the N - 1 "all-gather" steps of ``ring_steps(N)``; at
     step s rank r sends chunk (r + 1 - s) mod N to rank r + 1 and receives chunk (r - s) mod N
@@ -136,23 +142,24 @@ def ring_all_gather(tensor, check=True):
     chunk. Returns ``tensor``.
     Each rank sends every chunk but (r + 2) mod N: (N - 1)/N D when N divides numel.
     """
-    flat, _ = _prepare("ring_all_gather", tensor, None, None, check)
-    rank, N = dist.get_rank(), dist.get_world_size()
+    flat, _ = _prepare("ring_all_gather", tensor, None, None, check, group)
+    rank, N = dist.get_rank(group), dist.get_world_size(group)
     chunks = _chunks(flat, N)
+    right, left = _global(group, rank + 1), _global(group, rank - 1)
     for step in ring_steps(N, "all-gather"):
-        _exchange(chunks[step.send[rank]], (rank + 1) % N, chunks[step.receive[rank]], (rank - 1) % N)
+        _exchange(chunks[step.send[rank]], right, chunks[step.receive[rank]], left)
     return tensor
 
 
-def ring_allreduce(tensor, op="sum", check=True):
+def ring_allreduce(tensor, op="sum", check=True, group=None):
     """Ring all-reduce = ring reduce-scatter, then ring all-gather. Returns ``tensor``.
 
     Each rank sends 2 (N - 1) messages of one chunk each, 2 (N - 1)/N D bytes when N
     divides numel: time 2 (N - 1) alpha + 2 (N - 1)/N D beta, whatever N is.
     """
-    flat, op = _prepare("ring_allreduce", tensor, op, None, check)
-    ring_reduce_scatter(flat, op, check=False)  # the owned chunk is already divided for "avg"
-    ring_all_gather(flat, check=False)
+    flat, op = _prepare("ring_allreduce", tensor, op, None, check, group)
+    ring_reduce_scatter(flat, op, check=False, group=group)  # the owned chunk is already divided for "avg"
+    ring_all_gather(flat, check=False, group=group)
     return tensor
 
 
@@ -273,6 +280,12 @@ def tree_reduce(tensor, root=0, op="sum", check=True):
     return tensor
 
 
+def _global(group, group_rank):
+    """The global rank (what p2p addresses) of ``group``'s rank ``group_rank`` mod its size."""
+    group_rank %= dist.get_world_size(group)
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
 def _exchange(outgoing, dst, incoming, src):
     """Send ``outgoing`` to ``dst`` while receiving ``incoming`` from ``src``. Starting the
     send with isend lets both directions overlap, and no ring deadlocks with every rank
@@ -327,7 +340,7 @@ def _chunks(flat, parts):
     return [_span(flat, bounds, i, i + 1) for i in range(parts)]
 
 
-def _prepare(collective, tensor, op, root, check):
+def _prepare(collective, tensor, op, root, check, group=None):
     """Check the call (locally, then across ranks if ``check``); return the flat view and op name."""
     if not tensor.is_contiguous():
         raise ValueError(f"{collective} works in place on a contiguous tensor; call .contiguous() on it first.")
@@ -341,7 +354,7 @@ def _prepare(collective, tensor, op, root, check):
     if root is not None and not 0 <= root < N:
         raise ValueError(f"root={root} is not a rank; choose a root between 0 and {N - 1}.")
     if check:
-        _check_same_call(collective, tensor, op, root)
+        _check_same_call(collective, tensor, op, root, group)
     return tensor.view(-1), op
 
 
@@ -354,17 +367,17 @@ def _op_name(op, tensor):
     return name
 
 
-def _check_same_call(collective, tensor, op, root):
+def _check_same_call(collective, tensor, op, root, group=None):
     """Ring all-gather every rank's call record; raise the same ValueError on every rank if
     they differ. Rank r starts owning row (r + 1) mod N, as ``ring_all_gather`` expects."""
-    rank, N = dist.get_rank(), dist.get_world_size()
+    rank, N = dist.get_rank(group), dist.get_world_size(group)
     records = torch.zeros(N, _RECORD, dtype=torch.int64, device=tensor.device)  # NCCL sends GPU tensors only
     records[(rank + 1) % N, :5] = torch.tensor([
         COLLECTIVES.index(collective), -1 if op is None else OPS.index(op), -1 if root is None else root,
         DTYPES.index(tensor.dtype), tensor.dim(),
     ])
     records[(rank + 1) % N, 5 : 5 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-    ring_all_gather(records, check=False)
+    ring_all_gather(records, check=False, group=group)
     if bool((records == records[0]).all()):
         return
     calls = "; ".join(f"rank {r}: {_describe(records[(r + 1) % N].tolist())}" for r in range(N))
