@@ -1,0 +1,254 @@
+"""ZeRO stages 0, 1 and 2: data parallelism that keeps each rank's share of the model states.
+
+Every rank still holds the full parameters and runs a plain forward and backward on its
+shard of the batch, as in DDP. What differs is what each rank keeps between steps and what
+moves. With Psi trainable parameters on N_d ranks, in fp32 (4 bytes per parameter and per
+gradient; K bytes of optimizer state per parameter, K = 8 for Adam, 4 for SGD momentum):
+
+    stage  ZeroDP(..., stage=s)   sharded           bytes per rank                traffic per rank and step
+    0      baseline DDP           nothing           4 Psi + 4 Psi + K Psi         all-reduce of the gradients:
+                                                                                  RS + AG of 4 Psi bytes
+    1      P_os                   optimizer state   4 Psi + 4 Psi + K Psi / N_d   RS of the gradients
+                                                                                  + AG of the parameters
+    2      P_os+g                 + gradients       4 Psi + (4 + K) Psi / N_d     the same
+
+A ring reduce-scatter (RS) or all-gather (AG) of D bytes sends (N_d - 1)/N_d D bytes per
+rank, so every stage here sends 2 (N_d - 1)/N_d x 4 x padded Psi bytes per step: sharding
+the optimizer state and the gradients costs no extra communication. (Stage 3 shards the
+parameters too and pays a third collective: ``parlab.zero.FSDP``.)
+
+    engine = ZeroDP(model, torch.optim.Adam, stage=2, lr=1e-3)
+    engine.zero_grad()
+    loss_fn(engine(x_shard), y_shard).backward()   # each rank's mean loss over its shard
+    engine.step()                                  # RS gradients, step my shard, AG parameters
+
+How the bytes stay equal to the formula. The trainable parameters live in one flat fp32
+buffer (``parlab.zero.flat.FlatLayout``, padded to a multiple of N_d): every module
+parameter is a view into it, so the all-gather writes straight into the model. The inner
+optimizer (the given torch class) sees ONE Parameter, ``shard``: at stage 0 the whole flat
+buffer, at stages 1 and 2 the view of this rank's shard of it. Being a view, the shard adds
+no parameter bytes (no fp32 master copy is needed: in fp32 the parameters are the master
+parameters) and the optimizer's step writes the new values in place, ready to be gathered;
+the optimizer allocates its state for the shard only, K Psi / N_d. Since Adam, AdamW and
+SGD with momentum act elementwise, stepping the shard equals stepping the full parameters.
+
+Gradients. Module gradients are views into one flat gradient buffer (4 Psi), so backward
+accumulates straight into it. Stages 0 and 1 keep that buffer (after the RS only the own
+shard holds the average; the others hold partial sums, unused). Stage 2 copies its
+averaged shard out (4 Psi / N_d) and frees the full buffer in ``step``; the next forward
+allocates it again, so a full gradient exists from forward to step only. (ZeRO-2 as
+implemented in DeepSpeed reduce-scatters buckets during backward, so the full gradient
+never exists at once; this engine keeps to one RS after backward, for clarity.)
+
+Frozen parameters (``requires_grad=False``) are left as they are: not flattened, not
+sharded, not counted. Construction broadcasts rank 0's trainable parameters (one broadcast
+of the flat buffer), frozen parameters and buffers, so the replicas start equal.
+"""
+
+import copy
+
+import torch
+
+from parlab import collectives, trace
+from parlab.memory import measure_model_state
+from parlab.zero.flat import FlatLayout, all_gather, reduce_scatter
+
+STAGES = (0, 1, 2)
+
+
+class ZeroDP(torch.nn.Module):
+    """ZeRO stage ``stage`` (0, 1 or 2; table above) over the default process group.
+
+    ``model``: the same module built on every rank; ``optimizer_class``: a torch optimizer
+    class (not an instance), built over the shard with ``**optimizer_kwargs``. The trainable
+    parameters must share one floating dtype and device. Call the engine like the model,
+    then ``step()`` after ``loss.backward()``, and ``zero_grad()`` on the engine (not on the
+    model: module gradients are views into the engine's flat buffer).
+    """
+
+    def __init__(self, model, optimizer_class, stage=2, **optimizer_kwargs):
+        super().__init__()
+        if stage not in STAGES:
+            raise ValueError(
+                f"ZeroDP implements ZeRO stages 0, 1 and 2, got stage={stage!r}; stage 3 (parameters "
+                "sharded too) is parlab.zero.FSDP(model, optimizer_class, strategy='FULL_SHARD')."
+            )
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise ValueError(
+                f"optimizer_class must be a torch optimizer class such as torch.optim.Adam, got "
+                f"{optimizer_class!r}; pass the class and its options (lr=...), the engine builds it over its shard."
+            )
+        self.module, self.stage = model, stage
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        if not self.trainable:
+            raise ValueError("the model has no trainable parameters (requires_grad=True): there is nothing to train.")
+        if len({(p.dtype, p.device) for p in self.trainable}) > 1 or not self.trainable[0].is_floating_point():
+            raise ValueError("the trainable parameters must share one floating dtype and device; call model.float() first.")
+        self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.layout = FlatLayout([p.shape for p in self.trainable], self.world_size)
+
+        self.flat_param = self.layout.flatten([p.detach() for p in self.trainable])
+        for tensor in [self.flat_param, *self._unsharded().values()]:
+            collectives.tree_broadcast(tensor, root=0, check=False)  # rank 0's initial values
+        with torch.no_grad():
+            for p, view in zip(self.trainable, self.layout.views(self.flat_param)):
+                p.data = view  # the module now computes with the flat buffer
+        mine = self.flat_param if stage == 0 else self.layout.shard(self.flat_param, self.rank)
+        self.shard = torch.nn.Parameter(mine)  # a view: shares the flat buffer's storage
+        self.optimizer = optimizer_class([self.shard], **optimizer_kwargs)
+        self.flat_grad = None
+        if stage < 2:
+            self._attach_gradient_buffer()
+
+    def extra_repr(self):
+        return f"stage={self.stage}, {self.layout}"
+
+    def forward(self, *args, **kwargs):
+        if self.flat_grad is None:
+            self._attach_gradient_buffer()
+        with trace.span("forward"):
+            return self.module(*args, **kwargs)
+
+    def step(self):
+        """Average the gradients over the N_d ranks, step this rank's shard, share the result.
+
+        Stage 0: RS + AG of the gradients (a ring all-reduce), then the optimizer steps the
+        full parameters on every rank. Stages 1, 2: RS of the gradients, the optimizer steps
+        this rank's shard, AG of the parameters. Stage 2 then keeps the gradient shard only.
+        """
+        self._check_gradients()
+        with trace.span("reduce-scatter gradients"):
+            averaged = reduce_scatter(self.flat_grad, self.layout, self.rank)
+        if self.stage == 0:
+            with trace.span("all-gather gradients"):
+                self.shard.grad = all_gather(self.flat_grad, self.layout)
+        elif self.stage == 1:
+            self.shard.grad = averaged
+        else:
+            self.shard.grad = averaged.clone()
+            self._release_gradient_buffer()
+        with trace.span("optimizer"):
+            self.optimizer.step()
+        if self.stage > 0:
+            with trace.span("all-gather parameters"):
+                all_gather(self.flat_param, self.layout)
+
+    def zero_grad(self, set_to_none=True):
+        """Zero the gradients for the next step: stages 0, 1 zero the flat gradient buffer in
+        place (module gradients stay views into it); stage 2 drops its gradient shard."""
+        if self.stage == 2:
+            self.shard.grad = None
+            self._release_gradient_buffer()
+        else:
+            self.flat_grad.zero_()
+
+    def model_state_bytes(self):
+        """The ``parlab.memory.ModelState`` this rank holds, measured from its storages."""
+        grads = [self.flat_grad, self.shard.grad, *(p.grad for p in self.trainable)]
+        states = [value for state in self.optimizer.state.values() for value in state.values()]
+        return measure_model_state([self.flat_param, *self.trainable], grads, [s for s in states if torch.is_tensor(s)])
+
+    def full_parameters(self):
+        """{name: full parameter}, frozen ones included: every rank holds them all already."""
+        return {name: p.detach().clone() for name, p in self.module.named_parameters()}
+
+    def full_state_dict(self):
+        """{"model": module state dict, "optimizer": state dict of a plain optimizer built as
+        ``optimizer_class(model.parameters())``} on rank 0, None on the others. Every rank
+        must call it: at stages 1, 2 the optimizer state is all-gathered."""
+        full_state = {key: self._gather(value) for key, value in self.optimizer.state.get(self.shard, {}).items()}
+        if self.rank != 0:
+            return None
+        index = {id(p): i for i, p in enumerate(self.module.parameters())}
+        state = {
+            index[id(p)]: {key: self._piece(value, position) for key, value in full_state.items()}
+            for position, p in enumerate(self.trainable)
+        } if full_state else {}
+        group = {**self.optimizer.state_dict()["param_groups"][0], "params": list(index.values())}
+        model = {name: tensor.detach().clone() for name, tensor in self.module.state_dict().items()}
+        return {"model": model, "optimizer": {"state": state, "param_groups": [group]}}
+
+    def load_full_state_dict(self, state_dict):
+        """Load what ``full_state_dict`` returned. Every rank passes the dict (e.g. each reads
+        the same file): each copies the parameters and its own shard of the optimizer state,
+        without communication."""
+        self.module.load_state_dict(state_dict["model"])  # copies into the flat buffer's views
+        index = {id(p): i for i, p in enumerate(self.module.parameters())}
+        per_parameter = [state_dict["optimizer"]["state"].get(index[id(p)], {}) for p in self.trainable]
+        state = {}
+        for key, value in per_parameter[0].items():
+            if torch.is_tensor(value) and value.shape == self.trainable[0].shape:
+                value = self._my_part(self.layout.flatten([s[key] for s in per_parameter]))
+            state[key] = value
+        group = {**state_dict["optimizer"]["param_groups"][0], "params": [0]}
+        self.optimizer.load_state_dict({"state": {0: state} if state else {}, "param_groups": [group]})
+
+    def sharded_state_dict(self):
+        """This rank's part: its shard of the flat parameters, the frozen parameters and
+        buffers (whole), its optimizer's state dict (the whole state at stage 0), and the
+        layout it belongs to."""
+        return {
+            "model": {"flat_shard": self.layout.shard(self.flat_param, self.rank).clone(),
+                      "unsharded": {name: t.detach().clone() for name, t in self._unsharded().items()}},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "layout": self._layout_metadata(),
+        }
+
+    def load_sharded_state_dict(self, state_dict):
+        """Load this rank's ``sharded_state_dict``, written by an engine of the same stage,
+        world size and parameters; then all-gather the parameters."""
+        if state_dict["layout"] != self._layout_metadata():
+            raise ValueError(
+                f"this sharded state dict was written for {state_dict['layout']}, not for this engine's "
+                f"{self._layout_metadata()}; load the full state dict to change stage, world size or model."
+            )
+        with torch.no_grad():
+            self.layout.shard(self.flat_param, self.rank).copy_(state_dict["model"]["flat_shard"])
+            for name, tensor in self._unsharded().items():
+                tensor.copy_(state_dict["model"]["unsharded"][name])
+        all_gather(self.flat_param, self.layout)
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+
+    def _check_gradients(self):
+        views = [] if self.flat_grad is None else self.layout.views(self.flat_grad)
+        if not views or any(p.grad is None or p.grad.data_ptr() != v.data_ptr() for p, v in zip(self.trainable, views)):
+            raise ValueError(
+                "step() needs the gradients in the engine's flat buffer: run forward through the engine "
+                "and backward first, and zero them with engine.zero_grad(), not model.zero_grad()."
+            )
+
+    def _attach_gradient_buffer(self):
+        self.flat_grad = torch.zeros_like(self.flat_param)
+        for p, view in zip(self.trainable, self.layout.views(self.flat_grad)):
+            p.grad = view
+
+    def _release_gradient_buffer(self):
+        self.flat_grad = None
+        for p in self.trainable:
+            p.grad = None
+
+    def _unsharded(self):
+        """Frozen parameters and buffers by name: whole on every rank."""
+        frozen = {name: p for name, p in self.module.named_parameters() if not p.requires_grad}
+        return {**frozen, **dict(self.module.named_buffers())}
+
+    def _layout_metadata(self):
+        return {"engine": "ZeroDP", "stage": self.stage, "world_size": self.world_size, "rank": self.rank,
+                "shapes": [list(shape) for shape in self.layout.shapes]}
+
+    def _gather(self, value):
+        """A state tensor of the shard's shape, as the full padded flat tensor (stage 0 holds
+        it already); anything else (Adam's step count) as it is."""
+        if not torch.is_tensor(value) or value.shape != self.shard.shape or self.stage == 0:
+            return value
+        flat = torch.zeros_like(self.flat_param)
+        self.layout.shard(flat, self.rank).copy_(value)
+        return all_gather(flat, self.layout)
+
+    def _piece(self, value, position):
+        if torch.is_tensor(value) and value.shape == self.flat_param.shape:
+            return self.layout.views(value)[position].clone()
+        return value.clone() if torch.is_tensor(value) else value
+
+    def _my_part(self, flat):
+        return flat if self.stage == 0 else self.layout.shard(flat, self.rank).clone()

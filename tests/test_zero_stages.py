@@ -1,0 +1,220 @@
+"""parlab.zero.ZeroDP on real ranks: stages 0, 1 and 2 train exactly like one process on the
+full batch (Adam and SGD with momentum, uneven sizes so the flat buffer is padded, a frozen
+layer) and like torch's ZeroRedundancyOptimizer; the bytes each rank holds match the ZeRO
+paper's formula; the traffic of a step is the ring's, counted from the trace."""
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from parlab import trace
+from parlab.memory import model_state_bytes, ring_traffic_bytes
+from parlab.zero import ZeroDP
+
+IN, HIDDEN, OUT, BATCH, STEPS = 6, 9, 5, 24, 5  # 63 + 50 = 113 trainable parameters: padded at N_d = 2, 4
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+OPTIMIZERS = {
+    "Adam": (torch.optim.Adam, dict(lr=1e-2)),
+    "SGD momentum": (torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+}
+
+
+class Toy(nn.Module):
+    """Linear -> tanh -> frozen Linear x buffer -> Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(IN, HIDDEN)
+        self.frozen = nn.Linear(HIDDEN, HIDDEN).requires_grad_(False)
+        self.last = nn.Linear(HIDDEN, OUT)
+        self.register_buffer("scale", 1 + 0.1 * torch.randn(HIDDEN))
+
+    def forward(self, x):
+        return self.last(self.frozen(torch.tanh(self.first(x))) * self.scale)
+
+
+def build_toy(seed):
+    torch.manual_seed(seed)
+    return Toy()
+
+
+def full_batch():
+    generator = torch.Generator().manual_seed(1234)
+    return torch.randn(BATCH, IN, generator=generator), torch.randn(BATCH, OUT, generator=generator)
+
+
+def my_shard():
+    return [part.chunk(dist.get_world_size())[dist.get_rank()] for part in full_batch()]
+
+
+@functools.cache
+def reference_parameters(optimizer_name):
+    """One process, the plain optimizer over model.parameters(), the full batch."""
+    model = build_toy(seed=0)
+    optimizer_class, options = OPTIMIZERS[optimizer_name]
+    optimizer = optimizer_class(model.parameters(), **options)
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        F.mse_loss(model(full_batch()[0]), full_batch()[1]).backward()
+        optimizer.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def train_zero(stage, optimizer_name, steps=STEPS):
+    """On every rank: a toy initialised from this rank's seed (the engine must use rank 0's),
+    trained ``steps`` steps on this rank's shard."""
+    optimizer_class, options = OPTIMIZERS[optimizer_name]
+    engine = ZeroDP(build_toy(seed=dist.get_rank()), optimizer_class, stage=stage, **options)
+    for _ in range(steps):
+        engine.zero_grad()
+        F.mse_loss(engine(my_shard()[0]), my_shard()[1]).backward()
+        engine.step()
+    return engine
+
+
+def train_every_stage():
+    return {(stage, name): train_zero(stage, name).full_parameters() for stage in (0, 1, 2) for name in OPTIMIZERS}
+
+
+def assert_same(actual, expected, label):
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], **TOLERANCE, msg=lambda m, n=name: f"{label}, {n}: {m}")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", ["cluster2", "cluster4"])
+def test_every_stage_trains_like_one_process_on_the_full_batch(world, request):
+    results = request.getfixturevalue(world).run(train_every_stage, timeout=60)
+    initial = dict(build_toy(seed=0).named_parameters())
+    for name in OPTIMIZERS:
+        expected = reference_parameters(name)
+        assert (expected["first.weight"] - initial["first.weight"]).abs().max() > 1e-2  # it trained
+        assert torch.equal(expected["frozen.weight"], initial["frozen.weight"])
+        for rank, per_stage in enumerate(results):
+            for stage in (0, 1, 2):
+                assert_same(per_stage[stage, name], expected, f"rank {rank}, stage {stage}, {name}")
+
+
+def stage1_and_torch_zero_redundancy_optimizer():
+    ours = train_zero(1, "Adam").full_parameters()
+    model = build_toy(seed=dist.get_rank())
+    ddp = nn.parallel.DistributedDataParallel(model)
+    optimizer = ZeroRedundancyOptimizer(
+        [p for p in model.parameters() if p.requires_grad], optimizer_class=torch.optim.Adam, **OPTIMIZERS["Adam"][1]
+    )
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        F.mse_loss(ddp(my_shard()[0]), my_shard()[1]).backward()
+        optimizer.step()
+    return ours, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", ["cluster2", "cluster4"])
+def test_stage_1_equals_torch_zero_redundancy_optimizer(world, request):
+    for rank, (ours, theirs) in enumerate(request.getfixturevalue(world).run(stage1_and_torch_zero_redundancy_optimizer, timeout=60)):
+        assert_same(ours, theirs, f"rank {rank}, stage 1 vs ZeroRedundancyOptimizer")
+
+
+# --- memory: measured bytes against the ZeRO paper's formula --------------------------------
+
+WIDE = (200, 250, 199)  # 50 250 + 49 949 = 100 199 parameters
+
+
+def measured_bytes_after_one_step():
+    results = {}
+    for stage in (0, 1, 2):
+        for name, (optimizer_class, options) in OPTIMIZERS.items():
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(WIDE[0], WIDE[1]), nn.Tanh(), nn.Linear(WIDE[1], WIDE[2]))
+            engine = ZeroDP(model, optimizer_class, stage=stage, **options)
+            engine.zero_grad()
+            engine(torch.randn(4, WIDE[0])).square().mean().backward()
+            engine.step()
+            grads_held = [p.grad is not None for p in model.parameters()]
+            results[stage, name] = (engine.model_state_bytes(), engine.layout.padded_numel, grads_held)
+    return results
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", ["cluster2", "cluster4"])
+def test_measured_model_state_bytes_match_the_formula(world, request):
+    cluster = request.getfixturevalue(world)
+    N = cluster.world_size
+    psi = WIDE[0] * WIDE[1] + WIDE[1] + WIDE[1] * WIDE[2] + WIDE[2]
+    k = {"Adam": 8, "SGD momentum": 4}
+    for rank, results in enumerate(cluster.run(measured_bytes_after_one_step, timeout=60)):
+        for (stage, name), (measured, padded, grads_held) in results.items():
+            expected = model_state_bytes(psi, stage, N, k=k[name], param_bytes=4, grad_bytes=4)
+            for field in ("params", "grads", "optimizer"):
+                assert getattr(measured, field) == pytest.approx(getattr(expected, field), rel=0.02), (rank, stage, name, field)
+            # Exactly: the padded flat buffers, plus Adam's step count (one fp32 scalar).
+            shard = padded // N
+            assert measured.params == 4 * padded
+            assert measured.grads == 4 * (shard if stage == 2 else padded)
+            assert measured.optimizer == k[name] * (padded if stage == 0 else shard) + (4 if name == "Adam" else 0)
+            assert all(grads_held) == (stage < 2) and any(grads_held) == (stage < 2)
+
+
+# --- traffic: the ring's exact bytes ---------------------------------------------------------
+
+
+def traced_steps(stage, steps):
+    engine = ZeroDP(build_toy(seed=0), torch.optim.Adam, stage=stage)
+    with trace.span("steps"):
+        for _ in range(steps):
+            engine.zero_grad()
+            F.mse_loss(engine(my_shard()[0]), my_shard()[1]).backward()
+            engine.step()
+    return engine.layout.padded_numel
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", ["cluster2", "cluster4"])
+def test_a_step_sends_the_ring_bytes_of_a_reduce_scatter_and_an_all_gather(world, request):
+    cluster = request.getfixturevalue(world)
+    N, steps = cluster.world_size, 2
+    for stage in (0, 1, 2):
+        timeline = cluster.trace(traced_steps, stage, steps, timeout=60)
+        padded = timeline.results[0]
+        assert padded == 116 if N == 4 else padded == 114
+        for rank in range(N):
+            start = timeline.select(rank=rank, name="steps")[0].start
+            sent = sum(ev.nbytes for ev in timeline.select(rank=rank, kind="comm") if ev.name in ("send", "isend") and ev.start >= start)
+            assert sent == steps * ring_traffic_bytes(padded, N, 4, stage) == steps * 2 * (N - 1) * padded * 4 / N
+            assert len(timeline.select(rank=rank, name="reduce-scatter gradients")) == steps
+
+
+# --- mistakes ----------------------------------------------------------------------------------
+
+
+def step_after_model_zero_grad():
+    engine = ZeroDP(build_toy(seed=0), torch.optim.SGD, stage=1, lr=0.1)
+    engine.module.zero_grad()
+    F.mse_loss(engine(my_shard()[0]), my_shard()[1]).backward()
+    try:
+        engine.step()
+    except ValueError as error:
+        return str(error)
+
+
+@pytest.mark.timeout(30)
+def test_learner_mistakes_are_explained(cluster2):
+    with pytest.raises(ValueError, match="stage 3 .* is parlab.zero.FSDP"):
+        ZeroDP(Toy(), torch.optim.Adam, stage=3)
+    with pytest.raises(ValueError, match="stages 0, 1 and 2"):
+        ZeroDP(Toy(), torch.optim.Adam, stage="os")
+    model = Toy()
+    with pytest.raises(ValueError, match="pass the class"):
+        ZeroDP(model, torch.optim.Adam(model.parameters()), stage=1)
+    with pytest.raises(ValueError, match="pass the class"):
+        ZeroDP(model, nn.Linear, stage=1)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        ZeroDP(Toy().requires_grad_(False), torch.optim.Adam)
+    assert all("engine.zero_grad()" in message for message in cluster2.run(step_after_model_zero_grad, timeout=30))
