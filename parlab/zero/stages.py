@@ -94,7 +94,9 @@ class ZeroDP(torch.nn.Module):
             for p, view in zip(self.trainable, self.layout.views(self.flat_param)):
                 p.data = view  # the module now computes with the flat buffer
         mine = self.flat_param if stage == 0 else self.layout.shard(self.flat_param, self.rank)
-        self.shard = torch.nn.Parameter(mine)  # a view: shares the flat buffer's storage
+        # A view, sharing the flat buffer's storage. Not registered as the engine's parameter:
+        # engine.parameters() are the model's, the shard is the optimizer's handle on them.
+        object.__setattr__(self, "shard", torch.nn.Parameter(mine))
         self.optimizer = optimizer_class([self.shard], **optimizer_kwargs)
         self.flat_grad = None
         if stage < 2:
@@ -133,7 +135,7 @@ class ZeroDP(torch.nn.Module):
             with trace.span("all-gather parameters"):
                 all_gather(self.flat_param, self.layout)
 
-    def zero_grad(self, set_to_none=True):
+    def zero_grad(self):
         """Zero the gradients for the next step: stages 0, 1 zero the flat gradient buffer in
         place (module gradients stay views into it); stage 2 drops its gradient shard."""
         if self.stage == 2:
