@@ -151,19 +151,28 @@ def test_measured_stages_on_two_ranks_match_the_formula(cluster2):
     assert sum(p.numel() for p in small_model().parameters()) == SMALL_PSI
     for stage in STAGES:
         predicted = model_state_bytes(SMALL_PSI, stage, 2, *FP32_ADAM)
-        # fp32 Adam: the optimizer also holds a 4-byte step per flat group
-        assert measured[stage] == pytest.approx(predicted, rel=0.02), stage
+        assert measured[stage][:2] == predicted[:2], stage  # no padding: every layer's size is even
+        # fp32 Adam also holds a 4-byte step per flat group (a few groups at most)
+        assert 0 <= measured[stage].optimizer - predicted.optimizer <= 4 * 8, stage
     totals = [measured[stage].total for stage in STAGES]
     assert totals == sorted(totals, reverse=True)
 
 
 @needs_engines
 @pytest.mark.timeout(60)
-def test_the_widget_button_measures_and_overlays(cluster2):
+def test_the_widget_button_measures_and_overlays(cluster2, monkeypatch):
+    import parlab.widgets.memory as module
+
+    drawn = []  # the measured argument of every figure the widget draws
+    draw = module.memory_bars
+    monkeypatch.setattr(module, "memory_bars", lambda *args: drawn.append(args[7]) or draw(*args))
     widget = memory_widget(cluster2)
     (preset, psi_text), (dtype, _), (k, ranks) = (row.children for row in widget.children[:3])
-    button, image = widget.children[4], widget.children[-2]
-    picture = image.value
+    button = widget.children[4]
+    assert button.description == "measure on the cluster" and drawn == [None]
     button.click()
     assert (psi_text.value, ranks.value, dtype.value, k.value) == (str(SMALL_PSI), 2, "fp32", 8)
-    assert image.value != picture
+    assert sorted(drawn[-1]) == list(STAGES)  # measured bars beside the predicted ones
+    assert drawn[-1][3].params == model_state_bytes(SMALL_PSI, 3, 2, *FP32_ADAM).params
+    ranks.value = 4  # away from the measured configuration: the overlay goes
+    assert drawn[-1] is None
