@@ -17,6 +17,8 @@ _PUBLIC = {
     "FlatLayout": "parlab.zero.flat",
     "ZeroDP": "parlab.zero.stages",
     "FSDP": "parlab.zero.fsdp",
+    "min_params": "parlab.zero.units",
+    "init_by_unit": "parlab.zero.units",
 }
 
 

@@ -1,0 +1,283 @@
+"""FSDP (ZeRO stage 3) from scratch: every rank keeps 1/N_d of the parameters, gradients and
+optimizer state, and gathers a unit's full parameters only while that unit computes.
+
+    engine = FSDP(model, torch.optim.Adam, strategy="FULL_SHARD", wrap_policy="per_layer", lr=1e-3)
+    loss_fn(engine(x_shard), y_shard).backward()   # all-gathers and reduce-scatters run in here
+    engine.step()                                  # the optimizer on this rank's shards
+    engine.zero_grad()
+
+The model is cut into units by a wrap policy (``parlab.zero.units``); the Psi_u parameters of
+a unit become one flat parameter (``FlatLayout``), padded to a multiple of N_d and cut into
+N_d shards. Rank r keeps shard (r + 1) mod N_d as an fp32 ``nn.Parameter``: the optimizer
+(the torch class given, over the shards) steps it, and since Adam, AdamW and SGD with
+momentum are elementwise, that equals the same optimizer on the full parameters.
+
+The flow of one step, unit by unit (FULL_SHARD):
+
+    forward   pre-hook:   all-gather the unit's shards into its full flat buffer; the module's
+                          parameters become views of that buffer
+              post-hook:  free the full buffer (its storage is resized to 0)
+    backward  hook on the unit's outputs (fires when their gradient is ready, just before
+              the unit's backward): all-gather the full buffer again
+              hook when the full buffer's gradient is accumulated (all of the unit's
+              parameter views feed it, so it fires once, after the last of them):
+              reduce-scatter the flat gradient (averaged over N_d), keep this rank's shard as
+              the shard Parameter's .grad, free the full buffer and its gradient
+    step      the optimizer on the shards; the next forward gathers the new values
+
+Autograd keeps the views that forward saved; they point into the full buffer's storage, so
+refilling that storage before backward makes them valid again (the trick torch's FSDP uses).
+
+Strategies (S: the ranks a unit is sharded over; transfers of the flat parameter per unit
+and step, each a ring of (S - 1)/S x padded numel x element bytes per rank):
+
+    FULL_SHARD     S = N_d      free after forward, gather again for backward     AG, AG, RS
+    SHARD_GRAD_OP  S = N_d      keep from forward until after backward             AG, RS
+    NO_SHARD       S = 1        everything on every rank: all-reduce the gradients (DDP)
+    HYBRID_SHARD   S = shard_group_size (N_d / 2 by default): shard within groups of S
+                   consecutive ranks, replicate across the N_d / S groups: reduce-scatter
+                   within the group, then all-reduce the gradient shard across the groups
+
+mixed_precision=torch.bfloat16 (or float16): the gathered compute copy, the forward inputs and
+the gradients are in that dtype, and gradients are reduced in it (torch's MixedPrecisionPolicy
+with reduce_dtype = param_dtype: half the bytes on the wire); the shards the optimizer steps
+and its state stay fp32 (master weights). cpu_offload=True keeps the shards, their gradients and
+the optimizer state in CPU memory; each gather copies the shard to the device.
+
+Construction: rank 0's initial parameters are broadcast unit by unit (dist.broadcast over all
+ranks), so every rank starts from them. A model built on the meta device is materialised one
+unit at a time (``parlab.zero.units.materialize_unit``: seeded init_seed + unit index), sharded,
+and its full copy dropped before the next: the peak is one unit, not the model; ``init_by_unit``
+initialises an ordinary model the same way, for a reference. Buffers are broadcast from rank 0
+and replicated, not sharded.
+
+Gradient accumulation: a second backward before ``step`` reduce-scatters again and adds to the
+shard gradients (communication every backward: there is no no_sync here). Limits: every
+trainable parameter is sharded (frozen ones raise ValueError); a unit's parameters may be used
+only inside that unit's forward (tied weights belong to the unit around all their uses).
+"""
+
+import copy
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
+
+from parlab import trace
+from parlab.memory import measure_model_state
+from parlab.runtime import device as rank_device
+from parlab.zero.units import FlatUnit, materialize_unit, plan_units
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class FSDP(nn.Module):
+    """Fully sharded data parallelism over the default process group (N_d ranks); see the
+    module docstring for the flow. ``optimizer_class(shards, **opt_kwargs)`` is built over the
+    fp32 shard Parameters (``engine.parameters()``). ``wrap_policy``: see ``parlab.zero.units``.
+    ``init_fn(module)`` initialises one module of a meta-device model (default
+    ``module.reset_parameters()``), with the generator seeded ``init_seed`` + unit index."""
+
+    def __init__(self, model, optimizer_class, strategy="FULL_SHARD", wrap_policy=None, mixed_precision=None,
+                 cpu_offload=False, init_fn=None, init_seed=0, shard_group_size=None, **opt_kwargs):
+        super().__init__()
+        N = dist.get_world_size()
+        S = _shard_group_size(strategy, N, shard_group_size)
+        if mixed_precision not in (None, *LOW_PRECISION):
+            raise ValueError(f"mixed_precision must be None, torch.bfloat16 or torch.float16, got {mixed_precision!r}.")
+        deferred = any(p.is_meta for p in model.parameters())
+        if init_fn is not None and not deferred:
+            raise ValueError("init_fn initialises a model built on the meta device; this model is materialised "
+                             "already: drop init_fn, or build the model under `with torch.device('meta'):`.")
+        names = dict(model.named_parameters(remove_duplicate=False))
+        # A plain model's state_dict and optimizer name and number its parameters this way:
+        self.parameter_aliases = {alias: next(n for n, q in names.items() if q is p) for alias, p in names.items()}
+        self.parameter_index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+        plans = plan_units(model, wrap_policy)
+        if not plans or any(not p.requires_grad for plan in plans for p in plan.parameters):
+            raise ValueError("FSDP shards trainable parameters: the model needs some, and none frozen "
+                             "(requires_grad=False); unfreeze them or keep frozen ones out of the model.")
+        self.strategy, self.world_size, self.shard_group_size = strategy, N, S
+        self.reshard_after_forward = strategy in ("FULL_SHARD", "HYBRID_SHARD")
+        self.module = model
+        device = rank_device() if deferred else next(model.parameters()).device
+        groups = _process_groups(N, S)  # (shard group, replicate group)
+        self.units = []
+        for index, plan in enumerate(plans):
+            if deferred:
+                with torch.no_grad():
+                    materialize_unit(plan, index, device, init_fn, init_seed)
+            self.units.append(FlatUnit(plan, index, groups, device, mixed_precision or torch.float32,
+                                       torch.device("cpu") if cpu_offload else device))
+        if any(buffer.is_meta for buffer in model.buffers()):
+            raise ValueError("buffers of modules without parameters stay on the meta device: create them "
+                             "on a real device, or give them to a module that has parameters.")
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+        self.mixed_precision = mixed_precision
+        self.shards = nn.ParameterList([unit.shard for unit in self.units])
+        self.optimizer = optimizer_class(list(self.shards), **opt_kwargs)
+        for unit in self.units:
+            unit.module.register_forward_pre_hook(functools.partial(self._before_forward, unit))
+            unit.module.register_forward_hook(functools.partial(self._after_forward, unit))
+            unit.full.register_post_accumulate_grad_hook(unit.reduce_gradient)
+
+    def extra_repr(self):
+        return f"strategy={self.strategy!r}, units={[unit.name or '(root)' for unit in self.units]}"
+
+    def forward(self, *args, **kwargs):
+        if self.mixed_precision is not None:
+            args, kwargs = tree_map(self._cast_input, (args, kwargs))
+        with trace.span("forward"):
+            return self.module(*args, **kwargs)
+
+    def _cast_input(self, value):
+        if torch.is_tensor(value) and value.is_floating_point():
+            return value.to(self.mixed_precision)
+        return value
+
+    def _before_forward(self, unit, module, args):
+        unit.gather()
+        unit.set_views()
+
+    def _after_forward(self, unit, module, args, output):
+        if not torch.is_grad_enabled():
+            unit.free()  # no backward will come for it
+        elif self.reshard_after_forward:
+            unit.free()
+            for tensor in tree_leaves(output):
+                if torch.is_tensor(tensor) and tensor.requires_grad:
+                    tensor.register_hook(lambda grad: unit.gather())
+
+    def step(self):
+        """The optimizer step on this rank's shards (their gradients are reduced already:
+        during backward)."""
+        with trace.span("optimizer"):
+            self.optimizer.step()
+
+    def zero_grad(self):
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def model_state_bytes(self):
+        """This rank's model states, measured (``parlab.memory.measure_model_state``): params
+        = the shards plus any full buffer still allocated (none at rest, except NO_SHARD),
+        grads = the shard gradients, optimizer = the optimizer's state tensors."""
+        return measure_model_state(
+            [t for unit in self.units for t in (unit.shard, unit.full)],
+            [unit.shard.grad for unit in self.units],
+            [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)],
+        )
+
+    def full_parameters(self):
+        """{name: full fp32 parameter} (the master values), gathered on every rank."""
+        return {name: view.clone() for unit in self.units
+                for name, view in zip(unit.names, unit.layout.views(unit.gather_full(unit.shard.detach())))}
+
+    def full_state_dict(self):
+        """What one process would hold, as ``ZeroDP.full_state_dict``: {"model": the plain
+        model's state_dict (tied names and buffers included), "optimizer": the state_dict of
+        ``optimizer_class(model.parameters())``} on rank 0, None on the others. Every rank
+        must call it: the shards and per-element optimizer states are all-gathered."""
+        full = self.full_parameters()
+        state = {}
+        for unit in self.units:
+            for key, value in self.optimizer.state.get(unit.shard, {}).items():
+                per_element = torch.is_tensor(value) and value.shape == unit.shard.shape
+                pieces = unit.layout.views(unit.gather_full(value)) if per_element else [value] * len(unit.names)
+                for name, piece in zip(unit.names, pieces):
+                    state.setdefault(self.parameter_index[name], {})[key] = copy.deepcopy(piece)
+        if dist.get_rank() != 0:
+            return None
+        model = {alias: full[name] for alias, name in self.parameter_aliases.items()}
+        model.update({name: buffer.detach().clone() for name, buffer in self.module.named_buffers()})
+        group = {**self.optimizer.state_dict()["param_groups"][0], "params": list(range(len(self.parameter_index)))}
+        return {"model": model, "optimizer": {"state": state, "param_groups": [group]}}
+
+    def load_full_state_dict(self, state_dict):
+        """Load a ``full_state_dict`` (or a plain model's and optimizer's, in that format).
+        Every rank passes the dict (each reads the file, as ``checkpoint.load_full`` does) and
+        keeps its own shards: no communication. An optimizer state shaped like its parameter
+        is sharded, except "step" (torch keeps the step count as a 0-dim tensor)."""
+        model, saved = state_dict["model"], state_dict["optimizer"]
+        state = {}
+        with torch.no_grad():
+            for i, unit in enumerate(self.units):
+                unit.shard.copy_(unit.shard_of([model[name] for name in unit.names]))
+                per_parameter = [saved["state"].get(self.parameter_index[name], {}) for name in unit.names]
+                shape = model[unit.names[0]].shape
+                state[i] = {key: unit.shard_of([s[key] for s in per_parameter])
+                            if key != "step" and torch.is_tensor(value) and value.shape == shape
+                            else copy.deepcopy(value)  # the optimizer would keep the caller's tensor
+                            for key, value in per_parameter[0].items()}
+                unit.free()  # the next forward gathers the loaded shards
+            for name, buffer in self.module.named_buffers():
+                buffer.copy_(model[name])
+        group = {**saved["param_groups"][0], "params": list(range(len(self.units)))}
+        self.optimizer.load_state_dict({"state": {i: s for i, s in state.items() if s}, "param_groups": [group]})
+
+    def sharded_state_dict(self):
+        """This rank's part, as copies: {"model": {"shards": {unit name: fp32 shard},
+        "buffers": {name: buffer}}, "optimizer": the inner optimizer's state_dict (over the
+        shards), "layout": what the shards are (engine, strategy, world size, shard group size,
+        rank, and per unit its parameter names, shapes, padded numel and shard bounds)}."""
+        return {"model": {"shards": {unit.name: unit.shard.detach().clone() for unit in self.units},
+                          "buffers": {name: b.detach().clone() for name, b in self.module.named_buffers()}},
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                "layout": self._layout()}
+
+    def load_sharded_state_dict(self, state_dict):
+        """Load this rank's ``sharded_state_dict``, saved by an engine with the same layout."""
+        if state_dict["layout"] != self._layout():
+            raise ValueError(f"this sharded state dict was saved for {state_dict['layout']}, not for this "
+                             f"engine's {self._layout()}: load it with the same world size, strategy and units, "
+                             "or save and load a full state dict instead.")
+        with torch.no_grad():
+            for unit in self.units:
+                unit.shard.copy_(state_dict["model"]["shards"][unit.name])
+                unit.free()
+            for name, buffer in self.module.named_buffers():
+                buffer.copy_(state_dict["model"]["buffers"][name])
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+
+    def _layout(self):
+        return {"engine": "FSDP", "strategy": self.strategy, "world_size": self.world_size,
+                "shard_group_size": self.shard_group_size, "rank": dist.get_rank(),
+                "units": [{"name": u.name, "parameters": list(u.names), "shapes": [list(s) for s in u.layout.shapes],
+                           "padded_numel": u.layout.padded_numel, "shard_bounds": list(u.layout.shard_bounds(u.rank))}
+                          for u in self.units]}
+
+
+def _shard_group_size(strategy, N, shard_group_size):
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}; got {strategy!r}.")
+    if shard_group_size is not None and strategy != "HYBRID_SHARD":
+        raise ValueError(f"shard_group_size is for HYBRID_SHARD; {strategy} shards over "
+                         f"{'1 rank' if strategy == 'NO_SHARD' else 'all ranks'}: drop the argument.")
+    if strategy != "HYBRID_SHARD":
+        return 1 if strategy == "NO_SHARD" else N
+    if shard_group_size is None:
+        if N % 2:
+            raise ValueError(f"HYBRID_SHARD shards within groups of N_d / 2 ranks and replicates across 2, so it "
+                             f"needs an even number of ranks, not {N}: use an even world size, pass "
+                             f"shard_group_size=S with S dividing {N}, or use FULL_SHARD.")
+        return N // 2
+    if shard_group_size < 1 or N % shard_group_size:
+        raise ValueError(f"shard_group_size must divide the world size {N} (groups of equal size); "
+                         f"got {shard_group_size}.")
+    return shard_group_size
+
+
+def _process_groups(N, S):
+    """((shard group, S), (replicate group, N / S)) of this rank: ranks [g S, (g + 1) S) shard
+    together, ranks i, i + S, i + 2 S, ... replicate. A group of all N ranks is None (the
+    default group); one of 1 rank is never used. Every rank creates every group, as
+    dist.new_group requires."""
+    if S in (1, N):
+        return (None, S), (None, N // S)
+    rank = dist.get_rank()
+    shard_groups = [dist.new_group(list(range(g * S, (g + 1) * S))) for g in range(N // S)]
+    replicate_groups = [dist.new_group(list(range(i, N, S))) for i in range(S)]
+    return (shard_groups[rank // S], S), (replicate_groups[rank % S], N // S)

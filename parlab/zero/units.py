@@ -1,0 +1,238 @@
+"""FSDP units: which parameters of a model travel together as one flat parameter, and how a
+model built on the meta device is materialised one unit at a time.
+
+A wrap policy picks unit modules; each unit's parameters become one flat parameter that FSDP
+gathers just before the unit's forward and frees after it. The model itself is always the
+root unit and takes every parameter that no other unit took.
+
+    wrap_policy=None            every direct child of the model that holds parameters (the
+                                blocks of an nn.Sequential or of a transformer's layer list)
+    wrap_policy="per_layer"     every module with parameters of its own (each nn.Linear, ...)
+    wrap_policy=min_params(n)   bottom-up, the smallest subtrees holding at least n parameters
+                                not already in a smaller unit (torch's size-based policy)
+    wrap_policy=fn              every module m (not the model) with fn(m) true
+
+Smaller units lower the peak (one unit's full parameters at a time) and raise the number
+of collectives (3 per unit per step, each paying the latency alpha).
+
+A parameter used by several modules (tied weights) belongs to the innermost unit that
+contains all its uses, so it is gathered for as long as any of them may run. A unit left
+without parameters is dropped.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parlab import trace
+from parlab.collectives import ring_all_gather, ring_allreduce, ring_reduce_scatter
+from parlab.zero.flat import FlatLayout
+
+
+@dataclass(frozen=True)
+class min_params:  # noqa: N801 - used like a function: wrap_policy=min_params(10_000)
+    """Wrap policy: a module becomes a unit when its subtree holds at least ``n`` parameters
+    (elements) not already in a unit below it."""
+
+    n: int
+
+
+@dataclass
+class UnitPlan:
+    """One unit: its module (``name`` is its qualified name, "" for the root), its parameters
+    (``names`` as ``model.named_parameters()`` gives them, in order) and for each parameter the
+    (module, attribute) slots that hold it (several for a tied parameter)."""
+
+    name: str
+    module: nn.Module
+    names: list = field(default_factory=list)
+    parameters: list = field(default_factory=list)
+    slots: list = field(default_factory=list)
+
+    @property
+    def holders(self):
+        """The modules that hold this unit's parameters, each once, in order."""
+        return list({id(m): m for slots in self.slots for m, _ in slots}.values())
+
+
+def plan_units(model, wrap_policy=None):
+    """The units of ``model`` under ``wrap_policy``: a list of ``UnitPlan``, the root first,
+    then the other units in module order; only units that own parameters."""
+    decide = _policy(wrap_policy)
+    chosen = set()
+
+    def visit(module, depth):  # the parameters of module's subtree that are in no unit yet
+        free = {id(p): p for p in module.parameters(recurse=False)}
+        for child in module.children():
+            free.update(visit(child, depth + 1))
+        if depth > 0 and free and decide(module, sum(p.numel() for p in free.values()), depth == 1):
+            chosen.add(id(module))
+            return {}
+        return free
+
+    visit(model, 0)
+    plans = [UnitPlan("", model)] + [UnitPlan(name, m) for name, m in model.named_modules()
+                                     if id(m) in chosen and m is not model]
+    uses = {}  # id(parameter) -> (parameter, its names, its {(id(module), attribute): (module, attribute)})
+    for name, p in model.named_parameters(remove_duplicate=False):
+        module_name, _, attribute = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        _, names, slots = uses.setdefault(id(p), (p, [], {}))
+        names.append(name)
+        slots[(id(module), attribute)] = (module, attribute)  # a shared module holds it once
+    for p, names, slots in uses.values():
+        inside_all = [plan for plan in plans if all(_inside(name, plan.name) for name in names)]
+        owner = max(inside_all, key=lambda plan: len(plan.name))  # the innermost
+        owner.names.append(names[0])
+        owner.parameters.append(p)
+        owner.slots.append(list(slots.values()))
+    return [plan for plan in plans if plan.parameters]
+
+
+def materialize_unit(plan, index, device, init_fn=None, seed=0):
+    """Give the unit's parameters (and its holders' buffers) real storage on ``device`` and
+    initialise them: for each holder module, ``init_fn(module)`` or ``module.reset_parameters()``,
+    with the random generator seeded ``seed + index`` (``index``: the unit's place in
+    ``plan_units``), so a unit's values do not depend on the other units. A tied parameter gets
+    one storage, put in all its slots. Used by FSDP's deferred init and by ``init_by_unit``."""
+    for i, (p, slots) in enumerate(zip(plan.parameters, plan.slots)):
+        real = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+        for module, attribute in slots:
+            module._parameters[attribute] = real
+        plan.parameters[i] = real
+    devices = [device] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed + index)
+        for module in plan.holders:
+            for name, buffer in module.named_buffers(recurse=False):
+                module._buffers[name] = torch.empty_like(buffer, device=device)
+            (init_fn or _reset_parameters)(module)
+
+
+def init_by_unit(model, wrap_policy=None, init_fn=None, seed=0):
+    """Initialise an ordinary (materialised) ``model`` in place exactly as
+    ``FSDP(model on the meta device, wrap_policy=..., init_fn=..., init_seed=seed)`` does:
+    the single-process reference a learner compares an FSDP run with."""
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for index, plan in enumerate(plan_units(model, wrap_policy)):
+            materialize_unit(plan, index, device, init_fn, seed)
+    return model
+
+
+class FlatUnit:
+    """One unit's flat parameter on this rank: ``shard``, the fp32 Parameter the optimizer
+    steps (padded numel / S elements), and ``full``, the padded flat buffer in the compute
+    dtype, whose storage is allocated only while the unit is gathered (a leaf: the module's
+    parameters are views of it, so its ``.grad`` is the unit's flat gradient)."""
+
+    def __init__(self, plan, index, groups, device, compute_dtype, shard_device):
+        self.name, self.index, self.module, self.device = plan.name, index, plan.module, device
+        self.names, self.slots = plan.names, plan.slots
+        (self.shard_group, S), (self.replicate_group, self.replicas) = groups
+        self.layout = FlatLayout([p.shape for p in plan.parameters], S)
+        self.rank = dist.get_rank() % S  # the place in the shard group
+        flat = self.layout.flatten([p.detach() for p in plan.parameters], torch.float32, device)
+        dist.broadcast(flat, src=0)
+        mine = self.layout.shard(flat, self.rank).to(shard_device, copy=True)
+        self.shard = nn.Parameter(mine)
+        if S == 1 and compute_dtype == torch.float32 and shard_device == device:
+            self.full = mine.detach().requires_grad_()  # NO_SHARD in fp32: one storage, as DDP
+        else:
+            self.full = flat.to(compute_dtype).requires_grad_()
+        for slots in self.slots:
+            for module, attribute in slots:
+                del module._parameters[attribute]
+        plan.parameters.clear()  # the unit's full copy goes now, before the next unit's
+        self.set_views()
+        self.free()
+
+    def gather(self):
+        """Make the full buffer hold every rank's shard (a no-op if it does): all-gather within
+        the shard group (a copy of the shard, cast to the compute dtype, when S = 1)."""
+        if self.gathered:
+            return
+        with trace.span("all-gather", stage=self.index), torch.no_grad():
+            full = self.full.data  # not .detach(): its writes would bump the version autograd checks
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            self.layout.shard(full, self.rank).copy_(self.shard)
+            if self.layout.world_size > 1:
+                ring_all_gather(full, check=False, group=self.shard_group)
+        self.gathered = True
+
+    def set_views(self):
+        """Put views of the full buffer in the module's parameter slots (made in forward, so
+        autograd routes their gradients into ``full.grad``)."""
+        for view, slots in zip(self.layout.views(self.full), self.slots):
+            for module, attribute in slots:
+                setattr(module, attribute, view)
+
+    def free(self):
+        self.gathered = False
+        if self.layout.world_size > 1:
+            self.full.untyped_storage().resize_(0)
+
+    def reduce_gradient(self, full):
+        """Post-accumulate-grad hook of ``full``: average the flat gradient over the N_d ranks
+        (reduce-scatter within the shard group, then all-reduce across the replicate group),
+        add this rank's part to the shard's .grad, free the full buffer and its gradient."""
+        S = self.layout.world_size
+        with trace.span("reduce-scatter" if S > 1 else "all-reduce", stage=self.index), torch.no_grad():
+            if S > 1:
+                ring_reduce_scatter(full.grad, op="avg", check=False, group=self.shard_group)
+            mine = self.layout.shard(full.grad, self.rank)
+            if self.replicas > 1:
+                ring_allreduce(mine, op="avg", check=False, group=self.replicate_group)
+            # a copy unless it is the whole buffer: a view would keep the full gradient alive
+            mine = mine.to(self.shard.device, self.shard.dtype, copy=S > 1)
+            self.shard.grad = mine if self.shard.grad is None else self.shard.grad.add_(mine)
+        full.grad = None
+        self.free()
+
+    def shard_of(self, tensors):
+        """The unit's full tensors (its parameters, or one optimizer state of each) -> this
+        rank's fp32 shard of them, on the shard's device."""
+        flat = self.layout.flatten(tensors, torch.float32, self.device)
+        return self.layout.shard(flat, self.rank).to(self.shard.device, copy=True)
+
+    def gather_full(self, shard_like):
+        """A shard-shaped tensor of this rank (the shard, an optimizer state) -> the padded flat
+        of the whole unit, on every rank (a fresh buffer: the compute one is not touched)."""
+        flat = torch.zeros(self.layout.padded_numel, dtype=shard_like.dtype, device=self.device)
+        self.layout.shard(flat, self.rank).copy_(shard_like)
+        if self.layout.world_size > 1:
+            ring_all_gather(flat, check=False, group=self.shard_group)
+        return flat
+
+
+def _reset_parameters(module):
+    if not hasattr(module, "reset_parameters"):
+        raise ValueError(
+            f"{type(module).__name__} has no reset_parameters() to initialise it after materialising; "
+            "pass init_fn=fn, with fn(module) initialising the parameters of one module in place."
+        )
+    module.reset_parameters()
+
+
+def _inside(parameter_name, unit_name):
+    return unit_name == "" or parameter_name.startswith(unit_name + ".")
+
+
+def _policy(wrap_policy):
+    """The policy as decide(module, free parameters, is a direct child) -> bool."""
+    if wrap_policy is None:
+        return lambda module, free, top: top
+    if wrap_policy == "per_layer":
+        return lambda module, free, top: any(True for _ in module.parameters(recurse=False))
+    if isinstance(wrap_policy, min_params):
+        if wrap_policy.n < 1:
+            raise ValueError(f"min_params needs n >= 1 parameters per unit, got {wrap_policy.n}.")
+        return lambda module, free, top: free >= wrap_policy.n
+    if callable(wrap_policy) and not isinstance(wrap_policy, str):
+        return lambda module, free, top: bool(wrap_policy(module))
+    raise ValueError(
+        f"unknown wrap_policy {wrap_policy!r}: use None (the model's direct children), 'per_layer', "
+        "min_params(n) or a function module -> bool."
+    )
