@@ -9,7 +9,7 @@
 import argparse
 
 from parlab import doctor
-from parlab.bench import collectives, ddp, runtime, to_json, zero
+from parlab.bench import collectives, ddp, pipeline, runtime, to_json, zero
 
 # A bench is a module of parlab.bench (see its docstring for what the module provides);
 # registering it here is all the command line needs.
@@ -17,6 +17,7 @@ BENCHES = {
     "runtime": runtime,
     "collectives": collectives,
     "ddp": ddp,
+    "pipeline": pipeline,
     "zero": zero,
 }
 
