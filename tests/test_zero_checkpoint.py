@@ -1,7 +1,7 @@
 """parlab.zero.checkpoint: stopping after 3 steps, saving, and resuming in a fresh engine
-gives the same next 3 steps as never stopping, for full and sharded checkpoints; a full
-checkpoint loads into a plain model and optimizer (and into another stage); a sharded one
-refuses another world size or layout."""
+gives the same next 3 steps as never stopping, for full and sharded checkpoints of ZeroDP
+(stages 0-2) and FSDP; a full checkpoint loads into a plain model and optimizer and into
+another stage or engine; a sharded one refuses another world size or layout."""
 
 import json
 import os
@@ -12,16 +12,26 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parlab.zero import ZeroDP
+from parlab.zero import FSDP, ZeroDP
 from parlab.zero.checkpoint import load_full, load_sharded, save_full, save_sharded
 
 BATCH, STEPS, LR = 8, 3, 1e-2
 
 
-def build_model(seed):
-    """Linear -> tanh -> frozen Linear -> Linear: 42 + 24 = 66 trainable parameters."""
+def build_model(seed, frozen):
+    """Linear -> tanh -> Linear (frozen, or not: FSDP shards trainable parameters only) -> Linear."""
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 7).requires_grad_(False), nn.Linear(7, 3))
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 7).requires_grad_(not frozen), nn.Linear(7, 3))
+
+
+ENGINES = {  # name -> (engine around a model, does it take frozen parameters?)
+    **{f"stage {s}": (lambda model, s=s: ZeroDP(model, torch.optim.Adam, stage=s, lr=LR), True) for s in (0, 1, 2)},
+    "FSDP": (lambda model: FSDP(model, torch.optim.Adam, strategy="FULL_SHARD", wrap_policy="per_layer", lr=LR), False),
+}
+
+
+def build_engine(name, seed, frozen):
+    return ENGINES[name][0](build_model(seed, frozen))
 
 
 def batch(step):
@@ -41,15 +51,16 @@ def train(engine, first_step, steps):
 SAVE_LOAD = {"full": (save_full, load_full), "sharded": (save_sharded, load_sharded)}
 
 
-def interrupted_and_uninterrupted(stage, kind, path, resume_stage):
-    """Trajectory A: 3 steps, save, 3 more. Trajectory B: a fresh engine (another seed) at
-    ``resume_stage`` loads the checkpoint and takes the same 3 more steps."""
+def interrupted_and_uninterrupted(name, kind, path, resume_name):
+    """Trajectory A: 3 steps, save, 3 more. Trajectory B: a fresh engine ``resume_name``
+    (another seed) loads the checkpoint and takes the same 3 more steps."""
     save, load = SAVE_LOAD[kind]
-    engine = ZeroDP(build_model(seed=0), torch.optim.Adam, stage=stage, lr=LR)
+    frozen = ENGINES[name][1] and ENGINES[resume_name][1]
+    engine = build_engine(name, 0, frozen)
     train(engine, 0, STEPS)
     save(engine, path)
     train(engine, STEPS, STEPS)
-    resumed = ZeroDP(build_model(seed=1), torch.optim.Adam, stage=resume_stage, lr=LR)
+    resumed = build_engine(resume_name, 1, frozen)
     load(resumed, path)
     train(resumed, STEPS, STEPS)
     return engine.full_parameters(), resumed.full_parameters()
@@ -64,25 +75,28 @@ def assert_same(actual, expected, label):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", list(SAVE_LOAD))
 def test_resuming_from_a_checkpoint_continues_the_same_trajectory(kind, cluster2, tmp_path):
-    for stage in (0, 1, 2):
-        path = str(tmp_path / f"{kind}-stage{stage}" / ("model.pt" if kind == "full" else ""))
+    for name in ENGINES:
+        path = str(tmp_path / name / ("model.pt" if kind == "full" else ""))
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        results = cluster2.run(interrupted_and_uninterrupted, stage, kind, path, stage, timeout=60)
+        results = cluster2.run(interrupted_and_uninterrupted, name, kind, path, name, timeout=60)
         for rank, (uninterrupted, resumed) in enumerate(results):
-            assert_same(resumed, uninterrupted, f"{kind}, stage {stage}, rank {rank}")
-    if kind == "sharded":
-        assert sorted(os.listdir(tmp_path / "sharded-stage2")) == ["metadata.json", "rank0.pt", "rank1.pt"]
-        metadata = json.loads((tmp_path / "sharded-stage2" / "metadata.json").read_text())
-        assert metadata["world_size"] == 2 and [layout["rank"] for layout in metadata["layouts"]] == [0, 1]
+            assert_same(resumed, uninterrupted, f"{kind}, {name}, rank {rank}")
+        if kind == "sharded":
+            assert sorted(os.listdir(tmp_path / name)) == ["metadata.json", "rank0.pt", "rank1.pt"]
+            metadata = json.loads((tmp_path / name / "metadata.json").read_text())
+            assert metadata["world_size"] == 2 and [layout["rank"] for layout in metadata["layouts"]] == [0, 1]
 
 
 @pytest.mark.timeout(60)
-def test_a_full_checkpoint_is_a_plain_model_and_optimizer_and_loads_into_another_stage(cluster2, tmp_path):
+def test_a_full_checkpoint_is_a_plain_model_and_optimizer_and_loads_into_another_engine(cluster2, tmp_path):
     path = str(tmp_path / "model.pt")
-    uninterrupted, other_stage = cluster2.run(interrupted_and_uninterrupted, 1, "full", path, 2, timeout=60)[0]
+    for saved_by, resumed_by in [("FSDP", "stage 2"), ("stage 2", "FSDP")]:
+        uninterrupted, other = cluster2.run(interrupted_and_uninterrupted, saved_by, "full", path, resumed_by, timeout=60)[0]
+        assert_same(other, uninterrupted, f"saved by {saved_by}, resumed by {resumed_by}")
+    uninterrupted, other_stage = cluster2.run(interrupted_and_uninterrupted, "stage 1", "full", path, "stage 2", timeout=60)[0]
     assert_same(other_stage, uninterrupted, "saved at stage 1, resumed at stage 2")
 
-    model = build_model(seed=1)
+    model = build_model(seed=1, frozen=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     checkpoint = torch.load(path)
     model.load_state_dict(checkpoint["model"])
@@ -94,14 +108,14 @@ def test_a_full_checkpoint_is_a_plain_model_and_optimizer_and_loads_into_another
     torch.testing.assert_close(dict(model.named_parameters()), uninterrupted, rtol=1e-5, atol=1e-6)
 
 
-def save_sharded_at(stage, directory):
-    engine = ZeroDP(build_model(seed=0), torch.optim.Adam, stage=stage, lr=LR)
+def save_sharded_at(name, directory):
+    engine = build_engine(name, 0, frozen=False)
     train(engine, 0, 1)
     save_sharded(engine, directory)
 
 
-def load_sharded_at(stage, directory):
-    engine = ZeroDP(build_model(seed=0), torch.optim.Adam, stage=stage, lr=LR)
+def load_sharded_at(name, directory):
+    engine = build_engine(name, 0, frozen=False)
     try:
         load_sharded(engine, directory)
     except ValueError as error:
@@ -109,9 +123,10 @@ def load_sharded_at(stage, directory):
 
 
 @pytest.mark.timeout(60)
-def test_a_sharded_checkpoint_refuses_another_world_size_or_stage(cluster2, cluster4, tmp_path):
-    cluster2.run(save_sharded_at, 1, str(tmp_path), timeout=60)
-    for message in cluster4.run(load_sharded_at, 1, str(tmp_path), timeout=60):
+def test_a_sharded_checkpoint_refuses_another_world_size_stage_or_engine(cluster2, cluster4, tmp_path):
+    cluster2.run(save_sharded_at, "stage 1", str(tmp_path), timeout=60)
+    for message in cluster4.run(load_sharded_at, "stage 1", str(tmp_path), timeout=60):
         assert "written by 2 ranks and this run has 4" in message and "load_full" in message
-    for message in cluster2.run(load_sharded_at, 2, str(tmp_path), timeout=60):
-        assert "load the full state dict" in message
+    for other in ("stage 2", "FSDP"):
+        for message in cluster2.run(load_sharded_at, other, str(tmp_path), timeout=60):
+            assert "full state dict" in message, other
