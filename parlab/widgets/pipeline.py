@@ -1,0 +1,184 @@
+"""Widgets for the pipeline-parallelism lecture: a schedule's simulated timeline with its
+bubble and activation memory, and the same schedule measured on real ranks.
+
+    stage_times(name, v, tb_over_tf, tw_over_tf, t_f)         per-chunk t_f, t_b, t_w of a schedule
+    schedule_figure(name, K, M, v, tb_over_tf, tw_over_tf)     simulated Gantt chart and its readouts
+    measure_schedule(cluster, schedule, t_f, t_b, t_w)         a traced step of sleeping stages
+    plot_measured(timeline, ax=None)                           the measured Gantt chart and bubble
+    schedule_widget(cluster=None)                              sliders and a "run on the cluster" button
+
+Times are ratios to t_F, the forward of one micro-batch through one rank's share of the
+model. t_B is the whole backward; ZB-H1 splits it into B (input gradient, t_B - t_W) and W
+(weight gradient, t_W); the other schedules run it as one B. An interleaved rank's share is
+v chunks, each taking t / v: the work per rank is the same for every schedule, so their
+step times compare directly.
+"""
+
+import textwrap
+import warnings
+
+from parlab.pipeline import bubble_formula, bubble_fraction, bubble_ratio_playbook, make_schedule, simulate
+from parlab.widgets.collectives import _png
+
+MEASURE_T_F = 0.02  # seconds a sleeping stage takes per forward when measured on a cluster
+
+
+def stage_times(name, v=1, tb_over_tf=2.0, tw_over_tf=0.0, t_f=1.0):
+    """``(t_f, t_b, t_w)`` per stage (chunk) of schedule ``name`` for a rank whose forward of
+    one micro-batch takes ``t_f`` and whose backward takes ``tb_over_tf`` t_f, of which
+    ``tw_over_tf`` t_f is the weight gradient: divided by v for interleaved chunks; for
+    "zb_h1" B is t_b - t_w and W is t_w, for the others B is the whole t_b and t_w = 0."""
+    if not 0 <= tw_over_tf < tb_over_tf:
+        raise ValueError(f"t_W / t_F = {tw_over_tf:g} must be at least 0 and below t_B / t_F = {tb_over_tf:g}: "
+                         f"the weight gradient is a part of the backward.")
+    chunk = t_f / v
+    if name == "zb_h1":
+        return chunk, (tb_over_tf - tw_over_tf) * chunk, tw_over_tf * chunk
+    return chunk, tb_over_tf * chunk, 0.0
+
+
+def schedule_figure(name, K, M, v=1, tb_over_tf=2.0, tw_over_tf=0.0, ax=None):
+    """Simulate schedule ``name`` (``make_schedule``) with ``stage_times`` and draw its Gantt
+    chart: one row per rank, a block per action labelled with its kind and micro-batch,
+    time in units of t_F. Returns ``(ax, readouts)``; readouts: ``simulated_bubble``,
+    ``formula_bubble`` (K - 1) / (v M + K - 1), ``playbook_ratio`` (K - 1) / (v M),
+    ``step_time`` (in t_F), ``peak_activations`` per rank (in chunks, the schedule's unit)
+    and ``peak_vs_gpipe`` (that memory over GPipe's M full micro-batches per rank). If the
+    combination is impossible (M < K for 1F1B, ...), the figure's title is the ValueError's
+    message and readouts is ``{"error": message}``."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=figure_size(K), layout="constrained")
+    try:
+        simulation = simulate(make_schedule(name, K, M, v), *stage_times(name, v, tb_over_tf, tw_over_tf))
+    except ValueError as error:
+        ax.set_axis_off()
+        ax.set_title("\n".join(textwrap.wrap(str(error), 90)), fontsize=10, color="tab:red")
+        return ax, {"error": str(error)}
+    simulation.plot(ax=ax)
+    ax.set_xlabel("time (units of t_F: one rank's forward of one micro-batch)")
+    peaks = simulation.peak_activations
+    return ax, dict(simulated_bubble=float(simulation.bubble_fraction), formula_bubble=bubble_formula(K, M, v),
+                    playbook_ratio=bubble_ratio_playbook(K, M, v), step_time=float(simulation.step_time),
+                    peak_activations=peaks, peak_vs_gpipe=[peak / (v * M) for peak in peaks])
+
+
+def measure_schedule(cluster, schedule, t_f, t_b, t_w=0.0, timeout=60):
+    """Run ``schedule`` once on ``cluster`` with stages that only sleep (t_f, t_b, t_w
+    seconds per stage: ``parlab.pipeline.sleep_pipeline_step``) under ``cluster.trace``,
+    after one untraced warm-up step: a cluster's first pipeline step also pays for imports
+    and for opening the connections between ranks (seconds, not the schedule's bubble).
+    Returns ``(timeline, bubble)`` with bubble = ``bubble_fraction(timeline)``, the same
+    function the simulator's bubble is computed with. The cluster must have K ranks."""
+    from parlab.pipeline import sleep_pipeline_step  # the executor needs torch; the figures do not
+
+    if cluster.world_size != schedule.num_ranks:
+        raise ValueError(f"the cluster has {cluster.world_size} ranks and the schedule K = {schedule.num_ranks}: set "
+                         f"K = {cluster.world_size} to run it here.")
+    cluster.run(sleep_pipeline_step, schedule, t_f, t_b, t_w, timeout=timeout)
+    timeline = cluster.trace(sleep_pipeline_step, schedule, t_f, t_b, t_w, timeout=timeout)
+    return timeline, bubble_fraction(timeline)
+
+
+def plot_measured(timeline, ax=None):
+    """The measured Gantt chart of a traced pipeline step (``parlab.viz.plot_timeline``:
+    compute above, transfers below, ms), titled with its ``bubble_fraction``."""
+    title = f"measured on {timeline.world_size} ranks: bubble {bubble_fraction(timeline):.1%}, " \
+            f"step {timeline.duration * 1e3:.0f} ms"
+    return timeline.plot(ax=ax, title=title)
+
+
+def readout_html(readouts, measured_bubble=None):
+    """One line of HTML with the numbers of ``schedule_figure`` (and a measured bubble)."""
+    if "error" in readouts:
+        return f"<span style='color:red'>{readouts['error']}</span>"
+    peaks = ", ".join(map(str, readouts["peak_activations"]))
+    relative = ", ".join(f"{share:.0%}" for share in readouts["peak_vs_gpipe"])
+    measured = f"; measured bubble <b>{measured_bubble:.1%}</b>" if measured_bubble is not None else ""
+    return (f"simulated bubble <b>{readouts['simulated_bubble']:.1%}</b>{measured}; closed form (K-1)/(vM+K-1) = "
+            f"{readouts['formula_bubble']:.1%}, Playbook ratio (K-1)/(vM) = {readouts['playbook_ratio']:.1%}; "
+            f"step {readouts['step_time']:.3g} t_F<br>peak activations per rank: {peaks} (of GPipe's: {relative})")
+
+
+def applicable(name, K, M, v, tb_over_tf, tw_over_tf):
+    """The widget's settings as schedule ``name`` reads them: "naive" runs M = 1, v is for
+    interleaved 1F1B only and t_W for ZB-H1 only (1 and 0 elsewhere)."""
+    return (name, K, 1 if name == "naive" else M, v if name == "interleaved_1f1b" else 1, tb_over_tf,
+            tw_over_tf if name == "zb_h1" else 0.0)
+
+
+def figure_size(K, rows=1):
+    return 10, rows * (0.55 * K + 1.5)
+
+
+def schedule_widget(cluster=None, name="1f1b", K=4, M=8, v=2, tb_over_tf=2.0, tw_over_tf=1.0):
+    """``schedule_figure`` with a schedule dropdown and sliders K (1-8), M (1-32), v (1-4,
+    interleaved only), t_B / t_F (0.5-4) and t_W / t_F (ZB-H1 only), and ``readout_html``.
+    "naive" runs M = 1. With a ``cluster``, a button "run on the cluster" measures the
+    current schedule (``measure_schedule``, t_F = 20 ms per rank) when the cluster has K
+    ranks and draws the measured timeline below the simulated one, with its bubble, while
+    the settings stay. Returns an ipywidgets VBox; without ipywidgets, warns and returns
+    the static figure."""
+    try:
+        import ipywidgets as widgets
+    except ImportError:
+        warnings.warn("ipywidgets is not installed: showing the static figure (pip install ipywidgets).")
+        return schedule_figure(*applicable(name, K, M, v, tb_over_tf, tw_over_tf))[0].figure
+
+    from parlab.pipeline import SCHEDULES
+
+    schedule = widgets.Dropdown(options=list(SCHEDULES), value=name, description="schedule")
+    ranks = widgets.IntSlider(K, min=1, max=8, description="K ranks")
+    microbatches = widgets.IntSlider(M, min=1, max=32, description="M")
+    chunks = widgets.IntSlider(v, min=1, max=4, description="v chunks")
+    backward = widgets.FloatSlider(tb_over_tf, min=0.5, max=4, step=0.25, description="t_B / t_F")
+    weight = widgets.FloatSlider(tw_over_tf, min=0, max=2, step=0.25, description="t_W / t_F")
+    image, readout, status = widgets.Image(format="png"), widgets.HTML(), widgets.HTML()
+    measurement = {}  # "settings": the settings it was measured at, "timeline", "bubble"
+
+    def settings():
+        return applicable(schedule.value, ranks.value, microbatches.value, chunks.value, backward.value, weight.value)
+
+    def redraw(_=None):
+        microbatches.disabled = schedule.value == "naive"
+        chunks.disabled = schedule.value != "interleaved_1f1b"
+        weight.disabled = schedule.value != "zb_h1"
+        current = settings()
+        measured = measurement if measurement.get("settings") == current else {}
+        numbers = {}
+
+        def draw(ax):
+            if measured:  # two rows: the simulated step above the measured one
+                figure = ax.figure
+                ax.remove()
+                ax, below = figure.subplots(2, 1)
+                plot_measured(measured["timeline"], below)
+            numbers.update(schedule_figure(*current, ax=ax)[1])
+
+        image.value = _png(draw, figure_size(current[1], 2 if measured else 1))
+        readout.value = readout_html(numbers, measured.get("bubble"))
+
+    def measure(_):
+        current = settings()
+        try:
+            planned = make_schedule(*current[:4])
+            times = stage_times(current[0], current[3], current[4], current[5], MEASURE_T_F)
+            status.value = f"running {planned.name} on {cluster.world_size} ranks..."
+            timeline, bubble = measure_schedule(cluster, planned, *times)
+        except ValueError as error:
+            status.value = f"<span style='color:red'>{error}</span>"
+            return
+        measurement.update(settings=current, timeline=timeline, bubble=bubble)
+        status.value = ""
+        redraw()
+
+    for control in (schedule, ranks, microbatches, chunks, backward, weight):
+        control.observe(redraw, names="value")
+    redraw()
+    rows = [schedule, widgets.HBox([ranks, microbatches, chunks]), widgets.HBox([backward, weight])]
+    if cluster is not None:
+        button = widgets.Button(description="run on the cluster")
+        button.on_click(measure)
+        rows.append(button)
+    return widgets.VBox([*rows, status, readout, image])
