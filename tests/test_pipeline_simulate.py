@@ -133,8 +133,10 @@ def test_bubble_fraction_of_a_measured_timeline_counts_compute_only():
     # Two ranks, makespan 1 s to 5 s (4 s): rank 0 computes 2 s, rank 1 3 s; the transfer
     # does not count as work. Bubble = 1 - 5 / (2 x 4).
     s = 10**9
-    events = [(0, COMPUTE, "forward", 1 * s, 2 * s, None, 0, 0, 0), (0, COMPUTE, "backward", 4 * s, 5 * s, None, 0, 0, 0),
-              (1, COMPUTE, "forward", 2 * s, 3 * s, None, 0, 1, 0), (1, COMPUTE, "backward", 3 * s, 5 * s, None, 0, 1, 0),
+    events = [(0, COMPUTE, "forward", 1 * s, 2 * s, None, 0, 0, 0),
+              (0, COMPUTE, "backward", 4 * s, 5 * s, None, 0, 0, 0),
+              (1, COMPUTE, "forward", 2 * s, 3 * s, None, 0, 1, 0),
+              (1, COMPUTE, "backward", 3 * s, 5 * s, None, 0, 1, 0),
               (0, COMM, "send", 0, 6 * s, 1, 64, None, None)]
     assert bubble_fraction(Timeline(events, 2)) == pytest.approx(1 - 5 / 8, abs=1e-12)
     with pytest.raises(ValueError, match="no compute spans"):

@@ -4,7 +4,8 @@ M micro-batches flow through them in an order that a schedule fixes.
     schedule.py   the schedule IR (per-rank lists of actions "1B3"), its generators (naive,
                   GPipe, 1F1B, interleaved 1F1B, ZB-H1) and the validator
     simulate.py   the timed simulator, the bubble of a timeline and its closed forms
-    executor.py   partitioning a model into stages and running a schedule on real ranks
+    stages.py     cutting a model into stages (partition) and a layer that only sleeps
+    executor.py   running a schedule on real ranks (PipelineExecutor, sleep_pipeline_step)
 
     from parlab.pipeline import one_f_one_b, simulate
     simulate(one_f_one_b(4, 8), t_f=1, t_b=2).bubble_fraction      # 3 / 11
@@ -34,13 +35,19 @@ from parlab.pipeline.simulate import (
     simulate,
 )
 
-# The executor needs torch; schedules and the simulator do not, so it is imported on first use.
-_EXECUTOR = ("partition", "SleepLayer", "PipelineExecutor", "sleep_pipeline_step")
+# Stages and the executor need torch; schedules and the simulator do not (they run and
+# plot without it), so the torch-side names are imported on first use.
+_WITH_TORCH = {
+    "partition": "parlab.pipeline.stages",
+    "SleepLayer": "parlab.pipeline.stages",
+    "PipelineExecutor": "parlab.pipeline.executor",
+    "sleep_pipeline_step": "parlab.pipeline.executor",
+}
 
 
 def __getattr__(name):
-    if name in _EXECUTOR:
-        return getattr(importlib.import_module("parlab.pipeline.executor"), name)
+    if name in _WITH_TORCH:
+        return getattr(importlib.import_module(_WITH_TORCH[name]), name)
     raise AttributeError(f"module 'parlab.pipeline' has no attribute {name!r}")
 
 
@@ -48,5 +55,5 @@ __all__ = [
     "SCHEDULES", "Action", "Schedule", "dependencies", "dependency_order", "gpipe", "interleaved_1f1b",
     "make_schedule", "naive", "one_f_one_b", "validate", "zero_bubble_h1",
     "Simulation", "bubble_formula", "bubble_fraction", "bubble_ratio_playbook", "simulate",
-    *_EXECUTOR,
+    *_WITH_TORCH,
 ]

@@ -20,6 +20,7 @@ F(s, m) needs F(s - 1, m) (stage 0 reads the input); B(s, m) needs F(s, m) and t
 of B(s + 1, m) (the last stage's loss is computed inside its F); W(s, m) needs B(s, m).
 """
 
+import numbers
 import re
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -153,8 +154,9 @@ def zero_bubble_h1(K, M):
     on the critical path: the previous rank waits for it) and W (gradient of the weights,
     needed only by the optimizer). Rank r defers its W's by r backwards: W(m - r) follows
     B(m), the last r W's close the step, filling the cool-down idle time of the late ranks.
-    The F/B order and so the activations held are those of 1F1B; the bubble drops from
-    (K - 1)(t_f + t_b + t_w) to (K - 1)(t_f + t_b - t_w). Needs M >= K."""
+    The F/B order and so the activations held are those of 1F1B; each rank's idle time drops
+    from (K - 1)(t_f + t_b + t_w) to (K - 1)(t_f + t_b - t_w) when t_w <= t_f and t_w <= t_b.
+    Needs M >= K."""
     flush = one_f_one_b(K, M)
     rows = []
     for r, row in enumerate(flush.actions):
@@ -199,8 +201,8 @@ def dependencies(schedule, action):
     if kind == "F":
         return [Action(s - 1, "F", m)] if s > 0 else []
     if kind == "B":
-        downstream = Action(s + 1, "B", m) if s < schedule.num_stages - 1 else None
-        return [Action(s, "F", m)] + ([downstream] if downstream else [])
+        gradient = [Action(s + 1, "B", m)] if s < schedule.num_stages - 1 else []
+        return [Action(s, "F", m)] + gradient
     return [Action(s, "B", m)]
 
 
@@ -288,10 +290,11 @@ def _chunk(i, K, v):
 
 
 def _round_microbatch(i, K, v):
+    """The micro-batch of a rank's i-th forward: round i // (K v) covers micro-batches K round .. K round + K - 1."""
     return (i // (K * v)) * K + i % K
 
 
 def _check_sizes(K, M, v=1):
     for symbol, value, meaning in (("K", K, "ranks"), ("M", M, "micro-batches"), ("v", v, "chunks per rank")):
-        if not isinstance(value, int) or value < 1:
+        if not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{symbol} (the number of {meaning}) must be a whole number >= 1, got {value!r}.")
