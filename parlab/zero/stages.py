@@ -173,13 +173,14 @@ class ZeroDP(torch.nn.Module):
     def load_full_state_dict(self, state_dict):
         """Load what ``full_state_dict`` returned. Every rank passes the dict (e.g. each reads
         the same file): each copies the parameters and its own shard of the optimizer state,
-        without communication."""
+        without communication. An optimizer state shaped like its parameter is sharded, except
+        "step" (torch keeps the step count as a 0-dim tensor, which a 0-dim parameter matches)."""
         self.module.load_state_dict(state_dict["model"])  # copies into the flat buffer's views
         index = {id(p): i for i, p in enumerate(self.module.parameters())}
         per_parameter = [state_dict["optimizer"]["state"].get(index[id(p)], {}) for p in self.trainable]
         state = {}
         for key, value in per_parameter[0].items():
-            if torch.is_tensor(value) and value.shape == self.trainable[0].shape:
+            if key != "step" and torch.is_tensor(value) and value.shape == self.trainable[0].shape:
                 value = self._my_part(self.layout.flatten([s[key] for s in per_parameter]))
             state[key] = value
         group = {**state_dict["optimizer"]["param_groups"][0], "params": [0]}
