@@ -213,3 +213,44 @@ def test_one_task_is_graded_alone_and_a_broken_file_says_why(tmp_path, capsys):
     assert "ImportError: " in table and "could not be imported: SyntaxError" in table
     with pytest.raises(ValueError, match="no task 'collectives.ring'; the tasks are: collectives.ring_all_gather, "):
         grade.check("collectives.ring", impl=tmp_path)
+
+
+def test_zero_solutions_score_full_marks_and_stubs_zero_quickly():
+    assert grade.score(grade.run_grading("zero", impl=exercises.ROOT / "solutions")) == grade.Score(9, 9)
+    started = time.monotonic()
+    results = grade.run_grading("zero", impl=exercises.ROOT / "exercises")
+    assert time.monotonic() - started < 30
+    assert grade.score(results) == grade.Score(0, 9)
+    for test in results:
+        function = {"zero.sharded_optimizer": "build_optimizer"}.get(test["task"], "reduce_scatter_gradients")
+        assert test["reason"].startswith(f"NotImplementedError: {function} is not implemented yet"), test
+
+
+def test_zero_full_optimizer_state_and_an_all_reduce_lose_exactly_their_points(tmp_path):
+    # Two classic mistakes in an otherwise correct solution, graded in one run: Adam built
+    # over the whole model (right numbers, N_d times the state), and the gradients
+    # all-reduced before the shard is taken (right shard, twice the traffic).
+    solution = (exercises.ROOT / "solutions" / "zero.py").read_text()
+    mistakes = {
+        "optimizer_class([self.shard], **optimizer_kwargs)": "optimizer_class(self.params, **optimizer_kwargs)",
+        "reduce_scatter(flat_grad, layout, dist.get_rank())": (
+            "layout.shard(ring_allreduce(flat_grad, op='avg', check=False), dist.get_rank())"
+        ),
+        "import torch\n": "import torch\nfrom parlab.collectives import ring_allreduce\n",
+    }
+    for right, wrong in mistakes.items():
+        assert solution.count(right) == 1, right
+        solution = solution.replace(right, wrong)
+    (tmp_path / "zero.py").write_text(solution)
+    results = grade.run_grading("zero", impl=tmp_path)
+    failed = {test["test"]: test["reason"] for test in results if not test["passed"]}
+    assert sorted(failed) == [
+        "test_holds_one_shard_of_the_optimizer_state[2 ranks]",
+        "test_holds_one_shard_of_the_optimizer_state[4 ranks]",
+        "test_sends_a_reduce_scatter_not_an_all_reduce",
+    ]
+    for name, reason in failed.items():
+        if name.startswith("test_holds"):
+            assert "holds the full optimizer state" in reason and "over this rank's shard only" in reason, reason
+        else:
+            assert "that is an all-reduce, twice a reduce-scatter" in reason, reason
