@@ -14,7 +14,7 @@ from torch import nn
 
 import parlab
 from parlab import trace
-from parlab.pipeline.executor import PipelineExecutor, SleepLayer, partition, sleep_pipeline_step
+from parlab.pipeline.executor import PipelineExecutor, SleepLayer, forward_step, partition, sleep_pipeline_step
 from parlab.pipeline.schedule import gpipe, make_schedule, one_f_one_b
 from parlab.pipeline.simulate import bubble_fraction, simulate
 
@@ -127,6 +127,29 @@ def test_stages_on_one_rank_hand_over_in_memory_and_checkpointing_replays_dropou
     for checkpoint in ["always", "except_last"]:
         for actual, expected in zip(grads[checkpoint], grads[None]):
             torch.testing.assert_close(actual, expected, **TOLERANCE)
+
+
+def test_the_step_functions_are_a_seam():
+    """The exercise replaces forward_step/backward_step: the executor must call them, once
+    per action, and a backward seeded with 1 instead of 1/M gives M times the gradient."""
+    x, y = full_batch()
+    calls = []
+
+    def counted_forward(executor, action):
+        calls.append(str(action))
+        forward_step(executor, action)
+
+    def unscaled_backward(executor, action):
+        executor.run_backward(action.stage, action.microbatch, torch.ones_like(executor.losses[action.microbatch]))
+
+    model = build_mlp()
+    PipelineExecutor(gpipe(1, 4), {0: model}, F.mse_loss, forward_step=counted_forward).step(x, y)
+    assert calls == ["0F0", "0F1", "0F2", "0F3"]
+    expected = [4 * p.grad for p in model.parameters()]
+    model = build_mlp()
+    PipelineExecutor(gpipe(1, 4), {0: model}, F.mse_loss, backward_step=unscaled_backward).step(x, y)
+    for actual, wanted in zip([p.grad for p in model.parameters()], expected):
+        torch.testing.assert_close(actual, wanted, **TOLERANCE)
 
 
 def traced_gpipe_step():

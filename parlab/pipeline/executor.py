@@ -21,17 +21,20 @@ The work of one action is two small functions, the seam of the ``pipeline`` exer
 build on the executor's ``send``/``receive`` (where a message goes, its tag, local hand-off)
 and ``run_forward``/``run_backward`` (the compute, with checkpointing and memory metering).
 W(s, m) (``weight_step``) is only in schedules that split the backward: B then computes
-the gradient of the stage input alone (``autograd.grad`` keeping the graph) and W the
-gradients of the stage's parameters from the same graph.
+the gradient of the stage input alone (``autograd.grad`` keeping the graph; nothing on
+stage 0 unless its input requires grad) and W the gradients of the stage's parameters from
+the same graph, which also runs again the parts of the backward that lead to them.
 
 Messages: an activation (from F(s, m) to stage s + 1) and a gradient (from B(s, m) to
 stage s - 1) are named by (kind, s, m), and their tag is unique per name, so messages never
 mismatch whatever order a rank posts its receives in. Sends are isends, all waited at the
 end of the step. A receiver allocates the buffer: a gradient has the shape of the output of
 its own F, and an activation's shape and dtype come in a small header, sent once per stage
-boundary and step before the first activation (untraced: it is metadata, so the trace
-counts exactly the activations and gradients of the schedule). Stages on the same rank
-hand tensors over in memory.
+boundary and step before the first activation (so all micro-batches of a step must give
+a stage output of one shape; the header is metadata and untraced, so the trace counts
+exactly the activations and gradients of the schedule). Each rank posts the receive of its
+next action before running the current one, when it knows the shape. Stages on the same
+rank hand tensors over in memory.
 
 Activation memory: ``peak_activation_bytes`` is measured in every step: the bytes of the
 tensors autograd saves for backward (``saved_tensors_hooks``) plus the stage inputs and
@@ -171,7 +174,8 @@ class PipelineExecutor:
         if stage > 0:
             x = x.detach().requires_grad_()  # a leaf: B reads the gradient of the stage input from it
         state = self._state[stage, m] = SimpleNamespace(input=self.meter.hold(x), output=None, grad=None)
-        if self.checkpoint == "always" or (self.checkpoint == "except_last" and m < len(self.losses) - 1):
+        last_microbatch = m == self.schedule.num_microbatches - 1
+        if self.checkpoint == "always" or (self.checkpoint == "except_last" and not last_microbatch):
             state.rng = _rng_state(self.device)
             with torch.no_grad():
                 output = self._stage_forward(stage, m, x)
