@@ -24,10 +24,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 import parlab
 from parlab.bench import format_seconds, format_table, positive_int, progress, synchronise
+from parlab.bench.ddp import build_mlp, mlp_parameters
 from parlab.pipeline.executor import PipelineExecutor, partition, sleep_pipeline_step
 from parlab.pipeline.schedule import make_schedule
 from parlab.pipeline.simulate import bubble_formula, bubble_fraction, simulate
@@ -92,7 +92,7 @@ def bench_pipeline(world_sizes=(2, 4), microbatches=8, steps=10, width=512, dept
                 })
     return {
         "bench": "pipeline", "device": device, "backend": backend, "torch_version": torch.__version__,
-        "cpu_count": os.cpu_count(), "parameters": depth * (width * width + width), "width": width, "depth": depth,
+        "cpu_count": os.cpu_count(), "parameters": mlp_parameters(width, depth), "width": width, "depth": depth,
         "batch_size": batch_size, "microbatches": M, "steps": steps, "sleep_s": sleep_s, "repeats": repeats,
         "rows": rows,
     }
@@ -104,14 +104,6 @@ def valid_schedules(K, M, depth):
     runs = {"gpipe": True, "1f1b": M >= K,
             "interleaved_1f1b": M % K == 0 and 2 * depth - 1 >= K * SCHEDULES["interleaved_1f1b"]}
     return [name for name in SCHEDULES if runs[name]]
-
-
-def build_mlp(width, depth):
-    torch.manual_seed(SEED)
-    layers = [nn.Linear(width, width)]
-    for _ in range(depth - 1):
-        layers += [nn.ReLU(), nn.Linear(width, width)]
-    return nn.Sequential(*layers)
 
 
 def time_steps(names, M, steps, width, depth, batch_size):
@@ -147,6 +139,7 @@ def time_steps(names, M, steps, width, depth, batch_size):
 
 
 def _my_stages(schedule, width, depth):
+    torch.manual_seed(SEED)  # the same model on every rank and for both runners
     stages = partition(build_mlp(width, depth).to(parlab.device()), schedule.num_stages)
     return {s: stages[s] for s in schedule.stages_of(dist.get_rank())}
 
