@@ -54,7 +54,7 @@ def test_1f1b_readouts_for_4_ranks_and_8_microbatches():
 
 @pytest.mark.parametrize("name, K, M, v, tb, tw", [
     ("gpipe", 3, 5, 1, 1.5, 0.0), ("interleaved_1f1b", 4, 8, 2, 2.0, 0.0), ("interleaved_1f1b", 2, 6, 3, 1.0, 0.0),
-    ("zb_h1", 4, 8, 1, 2.0, 1.0), ("naive", 4, 1, 1, 2.0, 0.0),
+    ("zb_h1", 3, 4, 1, 2.0, 1.0), ("naive", 4, 1, 1, 2.0, 0.0),
 ])
 def test_readouts_are_the_simulators_numbers(name, K, M, v, tb, tw):
     _, readouts = schedule_figure(name, K, M, v, tb, tw)
@@ -67,13 +67,13 @@ def test_readouts_are_the_simulators_numbers(name, K, M, v, tb, tw):
 
 
 def test_interleaving_and_zero_bubble_shorten_the_same_work():
-    # Every schedule does M (t_F + t_B) of work per rank: 8 x 3 = 24 t_F.
-    flush = schedule_figure("1f1b", 4, 8, 1, 2.0)[1]["step_time"]
-    interleaved = schedule_figure("interleaved_1f1b", 4, 8, 2, 2.0)[1]["step_time"]
-    zero_bubble = schedule_figure("zb_h1", 4, 8, 1, 2.0, 1.0)[1]["step_time"]
-    assert flush == pytest.approx(24 + 3 * 3)
-    assert interleaved == pytest.approx(24 + 3 * 3 / 2)
-    assert zero_bubble == pytest.approx(24 + 3 * (1 + 1 - 1))  # (K - 1)(t_F + t_B - t_W), B = W = 1
+    # Every schedule does M (t_F + t_B) of work per rank: 4 x 3 = 12 t_F; K = 2 adds one bubble.
+    flush = schedule_figure("1f1b", 2, 4, 1, 2.0)[1]["step_time"]
+    interleaved = schedule_figure("interleaved_1f1b", 2, 4, 2, 2.0)[1]["step_time"]
+    zero_bubble = schedule_figure("zb_h1", 2, 4, 1, 2.0, 1.0)[1]["step_time"]
+    assert flush == pytest.approx(12 + 3)
+    assert interleaved == pytest.approx(12 + 3 / 2)
+    assert zero_bubble == pytest.approx(12 + (1 + 1 - 1))  # (K - 1)(t_F + t_B - t_W), B = W = 1
 
 
 @pytest.mark.parametrize("name, K, M, v, message", [
