@@ -73,8 +73,11 @@ def _comm_lanes(events):
 
 
 def _compute_label(ev):
+    """Pipeline spans read as the schedule notation, "{stage}{F|B|W}{micro-batch}" (an
+    interleaved rank runs several stages); spans without a stage drop it ("B3")."""
     if ev.microbatch is not None:
-        return f"{ev.name[0].upper()}{ev.microbatch}"
+        stage = "" if ev.stage is None else ev.stage
+        return f"{stage}{ev.name[0].upper()}{ev.microbatch}"
     return ev.name
 
 
