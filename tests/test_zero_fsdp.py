@@ -149,7 +149,7 @@ def train_torch_fully_shard():
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for unit in (model.block, model.norm, model):
         fully_shard(unit, mesh=mesh)
-    torch_fsdp = train(TorchEngine(model, ADAM))
+    train(TorchEngine(model, ADAM))
     ours = train(FSDP(build(seed=dist.get_rank()), ADAM[0], **ADAM[1]))
     return {name: p.full_tensor() for name, p in model.named_parameters()}, ours.full_parameters()
 
@@ -257,9 +257,10 @@ def mark_entry(unit, module, args):
 def test_gathers_unit_by_unit_right_before_use_and_frees_after(cluster2):
     # units: 0 the root (tied embedding/output weight, scale), 1 block.0, 2 block.2, 3 norm
     forward = [("all-gather", u) if i % 2 == 0 else ("enter", u) for u in range(4) for i in range(2)]
-    flows = {
-        "FULL_SHARD": forward + [("all-gather", 0), ("all-gather", 3), ("reduce-scatter", 3), ("all-gather", 2),
-                                 ("reduce-scatter", 2), ("all-gather", 1), ("reduce-scatter", 1), ("reduce-scatter", 0)],
+    flows = {  # backward: the root first (its output), then each unit's gather right before its reduce-scatter
+        "FULL_SHARD": forward + [("all-gather", 0), ("all-gather", 3), ("reduce-scatter", 3),
+                                 ("all-gather", 2), ("reduce-scatter", 2), ("all-gather", 1), ("reduce-scatter", 1),
+                                 ("reduce-scatter", 0)],
         "SHARD_GRAD_OP": forward + [("reduce-scatter", u) for u in (3, 2, 1, 0)],
     }
     for strategy, flow in flows.items():
@@ -302,7 +303,8 @@ def mixed_precision_reference(world_size, steps=STEPS):
 def train_in_bf16():
     engine = FSDP(build(seed=0), SGD[0], mixed_precision=torch.bfloat16, **SGD[1])
     seen = []
-    engine.module.block[0].register_forward_hook(lambda module, args, out: seen.append((module.weight.dtype, out.dtype)))
+    block = engine.module.block[0]
+    block.register_forward_hook(lambda module, args, out: seen.append((module.weight.dtype, out.dtype)))
     train(engine)
     # the reference runs here: the same process settings (threads) give the same bf16 kernels
     reference = mixed_precision_reference(dist.get_world_size())

@@ -26,17 +26,26 @@ The flow of one step, unit by unit (FULL_SHARD):
     step      the optimizer on the shards; the next forward gathers the new values
 
 Autograd keeps the views that forward saved; they point into the full buffer's storage, so
-refilling that storage before backward makes them valid again (the trick torch's FSDP uses).
+refilling that storage before backward makes them valid again (as torch's FSDP does). The
+root unit is freed after forward too, so every unit makes the same transfers. The trace marks
+each unit's "all-gather" and "reduce-scatter" ("all-reduce" under NO_SHARD) as spans whose
+``stage`` is the unit's index.
 
-Strategies (S: the ranks a unit is sharded over; transfers of the flat parameter per unit
-and step, each a ring of (S - 1)/S x padded numel x element bytes per rank):
+Memory at rest (after ``step``), fp32 with K bytes of optimizer state per parameter: the
+shards, their gradients and the optimizer state, (4 + 4 + K) Psi / N_d bytes (ZeRO stage 3;
+plus at most N_d - 1 padding elements per unit). While a unit computes, its full parameters
+(and in backward its full gradient) are added: one unit's, not the model's.
 
-    FULL_SHARD     S = N_d      free after forward, gather again for backward     AG, AG, RS
-    SHARD_GRAD_OP  S = N_d      keep from forward until after backward             AG, RS
-    NO_SHARD       S = 1        everything on every rank: all-reduce the gradients (DDP)
-    HYBRID_SHARD   S = shard_group_size (N_d / 2 by default): shard within groups of S
-                   consecutive ranks, replicate across the N_d / S groups: reduce-scatter
-                   within the group, then all-reduce the gradient shard across the groups
+Strategies (S: the ranks a unit is sharded over). Per unit and step, the ring transfers of
+its flat parameter or gradient, each (S - 1)/S x padded numel x element bytes per rank:
+
+    FULL_SHARD     S = N_d   free after forward, gather again for backward       AG, AG, RS
+    SHARD_GRAD_OP  S = N_d   keep from forward until after backward               AG, RS
+    NO_SHARD       S = 1     everything on every rank (stage 0's memory), the     all-reduce
+                             gradients all-reduced over the N_d ranks, as DDP     (RS + AG)
+    HYBRID_SHARD   S = shard_group_size (N_d / 2 by default): FULL_SHARD within groups of S
+                   consecutive ranks, replicated across the N_d / S groups: after the
+                   reduce-scatter in its group, the gradient shard is all-reduced across groups
 
 mixed_precision=torch.bfloat16 (or float16): the gathered compute copy, the forward inputs and
 the gradients are in that dtype, and gradients are reduced in it (torch's MixedPrecisionPolicy
@@ -76,9 +85,14 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 class FSDP(nn.Module):
     """Fully sharded data parallelism over the default process group (N_d ranks); see the
-    module docstring for the flow. ``optimizer_class(shards, **opt_kwargs)`` is built over the
-    fp32 shard Parameters (``engine.parameters()``). ``wrap_policy``: see ``parlab.zero.units``.
-    ``init_fn(module)`` initialises one module of a meta-device model (default
+    module docstring for the flow.
+
+    ``optimizer_class(shards, **opt_kwargs)`` is built over the fp32 shard Parameters (also
+    ``engine.parameters()``; the model's own parameters are replaced by views). ``strategy``
+    and ``shard_group_size`` (HYBRID_SHARD only): the table above. ``wrap_policy``: see
+    ``parlab.zero.units``. ``mixed_precision``: None, torch.bfloat16 or torch.float16.
+    ``cpu_offload``: shards, gradients and optimizer state in CPU memory. ``init_fn(module)``
+    initialises one module of a model built on the meta device (default
     ``module.reset_parameters()``), with the generator seeded ``init_seed`` + unit index."""
 
     def __init__(self, model, optimizer_class, strategy="FULL_SHARD", wrap_policy=None, mixed_precision=None,

@@ -1,5 +1,6 @@
-"""FSDP units: which parameters of a model travel together as one flat parameter, and how a
-model built on the meta device is materialised one unit at a time.
+"""FSDP units: which parameters of a model travel together as one flat parameter, how a model
+built on the meta device is materialised one unit at a time, and a unit's flat parameter on
+one rank (``FlatUnit``: gather it, free it, reduce its gradient).
 
 A wrap policy picks unit modules; each unit's parameters become one flat parameter that FSDP
 gathers just before the unit's forward and frees after it. The model itself is always the
@@ -114,7 +115,8 @@ def materialize_unit(plan, index, device, init_fn=None, seed=0):
 def init_by_unit(model, wrap_policy=None, init_fn=None, seed=0):
     """Initialise an ordinary (materialised) ``model`` in place exactly as
     ``FSDP(model on the meta device, wrap_policy=..., init_fn=..., init_seed=seed)`` does:
-    the single-process reference a learner compares an FSDP run with."""
+    the single-process reference a learner compares an FSDP run with. The parameters are
+    replaced by new ones: build the optimizer afterwards."""
     device = next(model.parameters()).device
     with torch.no_grad():
         for index, plan in enumerate(plan_units(model, wrap_policy)):
