@@ -150,6 +150,7 @@ class PipelineExecutor:
             if i + 1 < len(actions):
                 self._post_receive(actions[i + 1])
             self.steps[action.kind](self, action)
+            self._retire_finished_sends()
         p2p.wait_all(self._sends)
         self._sends, self._local = [], {}
         self.peak_activation_bytes = self.meter.peak
@@ -235,6 +236,17 @@ class PipelineExecutor:
             self._headers[stage] = header = _header(tensor, self._header_device())
             self._sends.append(dist.isend(header, destination, tag=self._tag(HEADER, stage, 0)))
         self._sends.append(p2p.isend(tensor, destination, tag=self._tag(kind, stage, m)))
+
+    def _retire_finished_sends(self):
+        """Wait, after each action, for the sends that have already completed: the trace then
+        ends each transfer about when it finished instead of at the end of the step."""
+        pending = []
+        for request in self._sends:
+            if request.is_completed():
+                request.wait()
+            else:
+                pending.append(request)
+        self._sends = pending
 
     def receive(self, kind, stage, m):
         """The message (kind, stage, m) sent by ``stage`` (blocks until it has arrived)."""
