@@ -403,6 +403,8 @@ def test_full_state_dict_is_one_process_state_and_both_resume_exactly(cluster2, 
     assert full["optimizer"]["param_groups"] == expected["param_groups"]
     for index, state in expected["state"].items():
         assert_same(full["optimizer"]["state"][index], state, f"optimizer state of parameter {index}")
+        for value in full["optimizer"]["state"][index].values():  # its own storage, not the unit's
+            assert value.untyped_storage().nbytes() == value.numel() * value.element_size()
     model.load_state_dict(full["model"])  # a plain model and optimizer load it
     optimizer.load_state_dict(full["optimizer"])
     for rank, (saved, trained, from_full, from_shards, mismatch) in enumerate(results):

@@ -202,7 +202,9 @@ class FSDP(nn.Module):
                 per_element = torch.is_tensor(value) and value.shape == unit.shard.shape
                 pieces = unit.layout.views(unit.gather_full(value)) if per_element else [value] * len(unit.names)
                 for name, piece in zip(unit.names, pieces):
-                    state.setdefault(self.parameter_index[name], {})[key] = copy.deepcopy(piece)
+                    # clone: a view would carry (and torch.save would write) the whole unit's storage
+                    piece = piece.clone() if torch.is_tensor(piece) else copy.deepcopy(piece)
+                    state.setdefault(self.parameter_index[name], {})[key] = piece
         if dist.get_rank() != 0:
             return None
         model = {alias: full[name] for alias, name in self.parameter_aliases.items()}
