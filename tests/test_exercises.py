@@ -216,11 +216,11 @@ def test_one_task_is_graded_alone_and_a_broken_file_says_why(tmp_path, capsys):
 
 
 def test_zero_solutions_score_full_marks_and_stubs_zero_quickly():
-    assert grade.score(grade.run_grading("zero", impl=exercises.ROOT / "solutions")) == grade.Score(9, 9)
+    assert grade.score(grade.run_grading("zero", impl=exercises.ROOT / "solutions")) == grade.Score(10, 10)
     started = time.monotonic()
     results = grade.run_grading("zero", impl=exercises.ROOT / "exercises")
     assert time.monotonic() - started < 30
-    assert grade.score(results) == grade.Score(0, 9)
+    assert grade.score(results) == grade.Score(0, 10)
     for test in results:
         function = {"zero.sharded_optimizer": "build_optimizer"}.get(test["task"], "reduce_scatter_gradients")
         assert test["reason"].startswith(f"NotImplementedError: {function} is not implemented yet"), test
@@ -254,3 +254,40 @@ def test_zero_full_optimizer_state_and_an_all_reduce_lose_exactly_their_points(t
             assert "holds the full optimizer state" in reason and "over this rank's shard only" in reason, reason
         else:
             assert "that is an all-reduce, twice a reduce-scatter" in reason, reason
+
+
+def test_pipeline_solutions_score_full_marks_and_stubs_zero_quickly():
+    assert grade.score(grade.run_grading("pipeline", impl=exercises.ROOT / "solutions")) == grade.Score(10, 10)
+    started = time.monotonic()
+    results = grade.run_grading("pipeline", impl=exercises.ROOT / "exercises")
+    assert time.monotonic() - started < 30
+    assert grade.score(results) == grade.Score(0, 10)
+    for test in results:
+        function = {"pipeline.one_f_one_b": "one_f_one_b"}.get(test["task"], "forward_step")
+        assert test["reason"].startswith(f"NotImplementedError: {function} is not implemented yet"), test
+
+
+def test_pipeline_late_backwards_and_a_missing_1_over_m_lose_exactly_their_points(tmp_path):
+    # Two classic mistakes in an otherwise correct solution, graded in one run: one warm-up
+    # forward too many (a valid schedule, but not 1F1B's, holding one more micro-batch),
+    # and each micro-batch's backward started from 1 instead of 1/M.
+    solution = (exercises.ROOT / "solutions" / "pipeline.py").read_text()
+    mistakes = {"warmup = K - r - 1": "warmup = K - r", "1.0 / executor.schedule.num_microbatches": "1.0"}
+    for right, wrong in mistakes.items():
+        assert solution.count(right) == 1, right
+        solution = solution.replace(right, wrong)
+    (tmp_path / "pipeline.py").write_text(solution)
+    results = grade.run_grading("pipeline", impl=tmp_path)
+    failed = {test["test"]: test["reason"] for test in results if not test["passed"]}
+    assert sorted(failed) == [
+        "test_golden_grids",
+        "test_gradients_like_one_process_on_the_full_batch[2 ranks]",
+        "test_gradients_like_one_process_on_the_full_batch[4 ranks]",
+        "test_one_stage_in_one_process",
+        "test_rank_r_holds_k_minus_r_microbatches",
+    ]
+    assert "1F1B's warm-up is K - r - 1" in failed["test_golden_grids"]
+    assert "1F1B holds K - r = 1" in failed["test_rank_r_holds_k_minus_r_microbatches"]
+    for name, reason in failed.items():
+        if name.startswith("test_gradients") or name == "test_one_stage_in_one_process":
+            assert "gradients are M = " in reason and "times too large: scale each micro-batch loss by 1/M" in reason

@@ -4,9 +4,10 @@
 4 ranks) with Adam for 5 steps at 2 and 4 ranks, every replica starting from its own seed
 and reading its own shard of the batch, the gradients averaged by an all-reduce as DDP
 would; after every step each rank's parameters are compared with Adam on one process over
-the full batch (rtol 1e-5, atol 1e-6). The optimizer state each rank holds is measured
-(``parlab.memory.storage_bytes``) and must be about 8 Psi / N_d bytes, and the step's
-traffic, read from the trace, must be one all-gather of the parameters.
+the full batch (rtol 1e-5, atol 1e-6). At 4 ranks it trains again on gradient shards handed
+over as stage 2 does (by parlab's own reduce-scatter). The optimizer state each rank holds
+is measured (``parlab.memory.storage_bytes``) and must be about 8 Psi / N_d bytes, and the
+step's traffic, read from the trace, must be one all-gather of the parameters.
 
 ``reduce_scatter_gradients`` is called on two batches in turn at 2 and 4 ranks: the shard
 it returns must equal this rank's shard of the full-batch gradient; afterwards the rank
@@ -24,7 +25,7 @@ from torch import nn
 
 from parlab import trace
 from parlab.memory import storage_bytes
-from parlab.zero.flat import FlatLayout
+from parlab.zero.flat import FlatLayout, reduce_scatter
 
 RUN_TIMEOUT_S = 10
 # The first torch optimizer a process builds imports torch._dynamo: seconds per rank on a
@@ -51,6 +52,11 @@ class TestShardedOptimizer:
     def test_trains_like_adam_on_one_process(self, cluster, impl):
         per_rank = run_sharded(cluster, impl, STEPS)
         check_training([record["steps"] for record in per_rank], cluster.world_size)
+
+    @pytest.mark.points(1)
+    def test_steps_on_a_reduce_scattered_gradient(self, cluster4, impl):
+        per_rank = run_sharded(cluster4, impl, STEPS, stage=2)
+        check_training([record["steps"] for record in per_rank], 4, stage=2)
 
     @pytest.mark.points(1)
     @pytest.mark.parametrize("cluster", WORLD_SIZES, indirect=True, ids=ranks)
@@ -167,7 +173,7 @@ def snapshot(model):
 
 
 def gradient_of(model, inputs, targets):
-    """The padded flat gradient (1 process, world size irrelevant to the values) of the mean loss."""
+    """The gradient of the mean loss over ``inputs`` on one process, flat (unpadded)."""
     model.zero_grad()
     F.mse_loss(model(inputs), targets).backward()
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
@@ -200,21 +206,35 @@ def gradient_reference(world_size, index):
 # --- On the ranks -------------------------------------------------------------------------
 
 
-def run_sharded(cluster, impl, steps, traced=False):
-    """``train_on_rank`` on the cluster (run, or traced), once every rank has imported what
-    torch's optimizers need."""
+def run_sharded(cluster, impl, steps, stage=1, traced=False):
+    """``train_on_rank`` on the cluster (run, or traced), after two preparations: the
+    learner's constructor is tried with a stand-in optimizer (an unwritten one fails at
+    once), then every rank imports what torch's optimizers need, under its own timeout."""
+    cluster.run(construct_on_rank, impl.ShardedOptimizer, timeout=RUN_TIMEOUT_S)
     cluster.run(import_optimizer_machinery, timeout=IMPORT_TIMEOUT_S)
     call = cluster.trace if traced else cluster.run
-    return call(train_on_rank, impl.ShardedOptimizer, steps, timeout=RUN_TIMEOUT_S)
+    return call(train_on_rank, impl.ShardedOptimizer, steps, stage, timeout=RUN_TIMEOUT_S)
+
+
+class StandInOptimizer:
+    """Takes an optimizer's arguments and nothing else: building it imports nothing."""
+
+    def __init__(self, params, **options):
+        self.params, self.options = list(params), options
+
+
+def construct_on_rank(ShardedOptimizer):
+    ShardedOptimizer(build_model(seed=0).parameters(), StandInOptimizer, lr=LR)
 
 
 def import_optimizer_machinery():
     import torch._dynamo  # noqa: F401
 
 
-def train_on_rank(ShardedOptimizer, steps):
+def train_on_rank(ShardedOptimizer, steps, stage=1):
     """``steps`` Adam steps on this rank's shard from this rank's seed (the optimizer must
-    broadcast rank 0's weights), gradients all-reduced as DDP would. Returns the parameters
+    broadcast rank 0's weights). Stage 1: every p.grad all-reduced as DDP would; stage 2:
+    parlab's reduce-scatter sets ``shard.grad`` and drops p.grad. Returns the parameters
     before and after each step and the optimizer state's bytes."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build_model(seed=rank)
@@ -224,12 +244,25 @@ def train_on_rank(ShardedOptimizer, steps):
     for _ in range(steps):
         optimizer.zero_grad()
         F.mse_loss(model(inputs), targets).backward()
-        for p in model.parameters():
-            dist.all_reduce(p.grad)  # torch's own: not traced, not the learner's traffic
-            p.grad /= world_size
+        if stage == 1:
+            for p in model.parameters():
+                dist.all_reduce(p.grad)  # torch's own: not traced, not the learner's traffic
+                p.grad /= world_size
+        else:
+            grads = optimizer.layout.flatten([p.grad for p in model.parameters()])
+            optimizer.shard.grad = reduce_scatter(grads, optimizer.layout, rank).clone()
+            model.zero_grad(set_to_none=True)
         before = snapshot(model)
         with trace.span("step"):
-            optimizer.step()
+            try:
+                optimizer.step()
+            except Exception as exc:
+                if stage == 1:
+                    raise
+                raise RuntimeError(
+                    f"at stage 2, step() raised {type(exc).__name__}: {exc}; there self.shard.grad is set already "
+                    "and every p.grad is None: use self.shard.grad as it is"
+                ) from exc
         steps_taken.append((before, snapshot(model)))
     state = [value for per_param in optimizer.optimizer.state.values() for value in per_param.values()]
     return {"steps": steps_taken, "optimizer_state_bytes": storage_bytes(t for t in state if torch.is_tensor(t))}
@@ -283,7 +316,7 @@ def flat(params):
     return torch.cat([t.reshape(-1) for t in params.values()])
 
 
-def check_training(per_rank, world_size):
+def check_training(per_rank, world_size, stage=1):
     """Compare every rank's parameters after every step with Adam on one process, naming the
     first difference and, where it recognises one, the mistake behind it."""
     layout = flat_layout(world_size)
@@ -292,7 +325,7 @@ def check_training(per_rank, world_size):
             before, after = steps[step]
             if all(close(after[name], expected[name]) for name in expected):
                 continue
-            where = f"{world_size} ranks, step {step}, rank {rank}"
+            where = f"stage {stage}, {world_size} ranks, step {step}, rank {rank}"
             start, end = layout.shard_bounds(rank)
             got, old, want = flat(after), flat(before), flat(expected)
             own = slice(start, min(end, layout.numel))
@@ -310,6 +343,8 @@ def check_training(per_rank, world_size):
                 name = next(name for name in expected if not close(after[name], expected[name]))
                 worst = (after[name] - expected[name]).abs().max().item()
                 why = f"{name} differs from Adam on one process over the full batch by up to {worst:.3g}"
+                if stage == 2:
+                    why += " (at stage 2 reduce_scatter_gradients has set self.shard.grad and every p.grad is None)"
             assert False, f"{where}: {why}"
 
 
@@ -340,5 +375,6 @@ def check_gradient_shards(per_rank, world_size):
                 why = f"is another chunk's average; rank {rank} owns chunk {owned} = (r + 1) mod N_d: layout.shard"
             else:
                 worst = (got - expected).abs().max().item()
-                why = f"differs from this rank's shard of the full-batch gradient by up to {worst:.3g}"
+                why = (f"differs from this rank's shard of the full-batch gradient by up to {worst:.3g} (rank {rank} "
+                       f"owns chunk {owned} = (r + 1) mod N_d, the one reduce_scatter averages for it)")
             assert False, f"{where}: the gradient shard {why}"
