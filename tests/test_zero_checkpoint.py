@@ -3,6 +3,7 @@ gives the same next 3 steps as never stopping, for full and sharded checkpoints 
 (stages 0-2) and FSDP; a full checkpoint loads into a plain model and optimizer and into
 another stage or engine; a sharded one refuses another world size or layout."""
 
+import copy
 import json
 import os
 
@@ -130,3 +131,28 @@ def test_a_sharded_checkpoint_refuses_another_world_size_stage_or_engine(cluster
     for other in ("stage 2", "FSDP"):
         for message in cluster2.run(load_sharded_at, other, str(tmp_path), timeout=60):
             assert "full state dict" in message, other
+
+
+def train_on_after_loading(name):
+    """Load a full state dict into a fresh engine, train on, and return the dict as it was
+    given and as it is now: loading must copy, not alias (torch keeps "step" tensors as given)."""
+    engine = build_engine(name, 0, frozen=False)
+    train(engine, 0, STEPS)
+    box = [engine.full_state_dict()]  # on rank 0; every rank loads it
+    dist.broadcast_object_list(box, src=0)
+    state = box[0]
+    given = copy.deepcopy(state)
+    resumed = build_engine(name, 1, frozen=False)
+    resumed.load_full_state_dict(state)
+    train(resumed, STEPS, STEPS)
+    return given, state
+
+
+@pytest.mark.timeout(60)
+def test_loading_a_full_state_dict_leaves_the_callers_dict_alone(cluster2):
+    for name in ("stage 2", "FSDP"):
+        given, after = cluster2.run(train_on_after_loading, name, timeout=60)[1]
+        for index, state in given["optimizer"]["state"].items():
+            for key, value in state.items():
+                torch.testing.assert_close(after["optimizer"]["state"][index][key], value, rtol=0, atol=0,
+                                           msg=lambda m, n=name, k=key: f"{n}: training on changed the dict's {k}: {m}")

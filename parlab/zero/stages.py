@@ -182,7 +182,9 @@ class ZeroDP(torch.nn.Module):
         for key, value in per_parameter[0].items():
             if key != "step" and torch.is_tensor(value) and value.shape == self.trainable[0].shape:
                 value = self._my_part(self.layout.flatten([s[key] for s in per_parameter]))
-            state[key] = value
+            # torch's load_state_dict keeps a given "step" tensor as it is: a copy, so that
+            # training on does not count up the caller's dict.
+            state[key] = value.clone() if torch.is_tensor(value) else value
         group = {**state_dict["optimizer"]["param_groups"][0], "params": [0]}
         self.optimizer.load_state_dict({"state": {0: state} if state else {}, "param_groups": [group]})
 
