@@ -8,10 +8,11 @@ micro-batches of activations.
 
 ``forward_step`` and ``backward_step`` are plugged into parlab's ``PipelineExecutor``, which
 runs parlab's own GPipe and 1F1B schedules (so the two tasks are graded apart) on an MLP cut
-into K = 1 (in this process), 2 and 4 stages, M = 4, 4 and 8 micro-batches. The gradients must equal those of one process
-on the full batch (rtol 1e-5, atol 1e-6) and the losses those of each micro-batch; a traced
-1F1B step at K = 4 must send exactly the schedule's activations and gradients across each
-stage boundary and show one forward or backward span per action, in the schedule's order.
+into K = 1 (in this process), 2 and 4 stages, with M = 4, 4 and 8 micro-batches. The
+gradients must equal those of one process on the full batch (rtol 1e-5, atol 1e-6) and the
+losses those of each micro-batch; a traced 1F1B step at K = 4 must send exactly the
+schedule's activations and gradients across each stage boundary and show one forward or
+backward span per action, in the schedule's order.
 """
 
 import functools
