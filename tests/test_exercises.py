@@ -228,8 +228,9 @@ def test_zero_solutions_score_full_marks_and_stubs_zero_quickly():
 
 def test_zero_full_optimizer_state_and_an_all_reduce_lose_exactly_their_points(tmp_path):
     # Two classic mistakes in an otherwise correct solution, graded in one run: Adam built
-    # over the whole model (right numbers, N_d times the state), and the gradients
-    # all-reduced before the shard is taken (right shard, twice the traffic).
+    # over the whole model (right numbers at stage 1 but N_d times the state, and nothing to
+    # step at stage 2, where only the shard has a gradient), and the gradients all-reduced
+    # before the shard is taken (right shard, twice the traffic).
     solution = (exercises.ROOT / "solutions" / "zero.py").read_text()
     mistakes = {
         "optimizer_class([self.shard], **optimizer_kwargs)": "optimizer_class(self.params, **optimizer_kwargs)",
@@ -248,10 +249,13 @@ def test_zero_full_optimizer_state_and_an_all_reduce_lose_exactly_their_points(t
         "test_holds_one_shard_of_the_optimizer_state[2 ranks]",
         "test_holds_one_shard_of_the_optimizer_state[4 ranks]",
         "test_sends_a_reduce_scatter_not_an_all_reduce",
+        "test_steps_on_a_reduce_scattered_gradient",
     ]
     for name, reason in failed.items():
         if name.startswith("test_holds"):
             assert "holds the full optimizer state" in reason and "over this rank's shard only" in reason, reason
+        elif name.startswith("test_steps"):
+            assert "no parameter changed in step(): the optimizer must step self.shard" in reason, reason
         else:
             assert "that is an all-reduce, twice a reduce-scatter" in reason, reason
 

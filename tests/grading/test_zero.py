@@ -16,6 +16,7 @@ all-reduce's.
 """
 
 import functools
+import importlib
 
 import pytest
 import torch
@@ -81,19 +82,10 @@ class TestShardedOptimizer:
     @pytest.mark.points(1)
     def test_all_gathers_the_updated_parameters(self, cluster4, impl):
         timeline = run_sharded(cluster4, impl, 1, traced=True)
-        all_gather = ring_bytes(4)
-        for rank, sent in enumerate(bytes_sent_in(timeline, "step")):
-            if sent == all_gather:
-                continue
-            hint = ""
-            if sent == 0:
-                hint = ": nothing was traced; all-gather self.flat with the provided all_gather"
-            elif sent == 2 * all_gather:
-                hint = ": an all-reduce's worth; every rank's own shard is already up to date, all_gather the rest"
-            assert False, (
-                f"4 ranks: in step(), rank {rank} sent {sent} bytes, expected {all_gather} = (N_d - 1)/N_d x 4 x "
-                f"padded Psi, one all-gather of the parameters{hint}"
-            )
+        check_bytes_sent(timeline, "step", ring_bytes(4), "(N_d - 1)/N_d x 4 x padded Psi, one all-gather of the parameters", {
+            0: "nothing was traced; all-gather self.flat with the provided all_gather",
+            2 * ring_bytes(4): "an all-reduce's worth; every rank's own shard is already up to date, all_gather the rest",
+        })
 
 
 @pytest.mark.task("reduce_scatter_gradients")
@@ -130,20 +122,13 @@ class TestReduceScatterGradients:
     @pytest.mark.points(1)
     def test_sends_a_reduce_scatter_not_an_all_reduce(self, cluster4, impl):
         timeline = cluster4.trace(reduce_scatter_on_rank, impl.reduce_scatter_gradients, timeout=RUN_TIMEOUT_S)
-        reduce_scatter = 2 * ring_bytes(4)  # two calls
-        for rank, sent in enumerate(bytes_sent_in(timeline, "reduce_scatter_gradients")):
-            if sent == reduce_scatter:
-                continue
-            hint = ""
-            if sent == 0:
-                hint = ": nothing was traced; reduce-scatter with the provided reduce_scatter"
-            elif sent == 2 * reduce_scatter:
-                hint = (": that is an all-reduce, twice a reduce-scatter; each rank needs only its own shard of "
-                        "the average: reduce_scatter(flat, layout, rank)")
-            assert False, (
-                f"4 ranks, 2 calls: rank {rank} sent {sent} bytes, expected {reduce_scatter} = 2 x (N_d - 1)/N_d x "
-                f"4 x padded Psi, one reduce-scatter of the gradients per call{hint}"
-            )
+        reduce_scatters = 2 * ring_bytes(4)  # two calls
+        check_bytes_sent(timeline, "reduce_scatter_gradients", reduce_scatters,
+                         "2 x (N_d - 1)/N_d x 4 x padded Psi, one reduce-scatter of the gradients per call", {
+            0: "nothing was traced; reduce-scatter with the provided reduce_scatter",
+            2 * reduce_scatters: "that is an all-reduce, twice a reduce-scatter; each rank needs only its own shard "
+                                 "of the average: reduce_scatter(flat, layout, rank)",
+        })
 
 
 # --- The model, the data and one process's reference --------------------------------------
@@ -228,7 +213,7 @@ def construct_on_rank(ShardedOptimizer):
 
 
 def import_optimizer_machinery():
-    import torch._dynamo  # noqa: F401
+    importlib.import_module("torch._dynamo")
 
 
 def train_on_rank(ShardedOptimizer, steps, stage=1):
@@ -298,14 +283,20 @@ def ring_bytes(world_size):
     return (world_size - 1) * layout.shard_numel * FP32
 
 
-def bytes_sent_in(timeline, span_name):
-    """Per rank, the bytes sent during its compute spans named ``span_name``."""
+def check_bytes_sent(timeline, span_name, expected, formula, hints):
+    """Every rank sent ``expected`` bytes (``formula`` in words) during its compute spans
+    named ``span_name``; ``hints``: {bytes sent: what that amount says} for the message."""
     sent = [0] * timeline.world_size
     for span in timeline.select(name=span_name, kind=trace.COMPUTE):
         for event in timeline.select(rank=span.rank, kind=trace.COMM):
             if event.name in SEND_OPS and span.start <= event.start and event.end <= span.end:
                 sent[span.rank] += event.nbytes
-    return sent
+    for rank, nbytes in enumerate(sent):
+        hint = f": {hints[nbytes]}" if nbytes in hints else ""
+        assert nbytes == expected, (
+            f"{timeline.world_size} ranks: in {span_name}(), rank {rank} sent {nbytes} bytes, expected {expected} = "
+            f"{formula}{hint}"
+        )
 
 
 def close(a, b):
@@ -333,10 +324,12 @@ def check_training(per_rank, world_size, stage=1):
             elsewhere[own] = False
             if torch.equal(got, old):
                 why = (
-                    "no parameter changed in step(): the optimizer must update this rank's shard of self.flat in "
-                    "place (self.shard a view, self.layout.shard(self.flat, self.rank): chunk (r + 1) mod N_d, the "
-                    "one all_gather sends from rank r) before the all-gather"
+                    "no parameter changed in step(): the optimizer must step self.shard, the view "
+                    "self.layout.shard(self.flat, self.rank) (chunk (r + 1) mod N_d, the one all_gather sends from "
+                    "rank r), in place before the all-gather"
                 )
+                if stage == 2:
+                    why += "; at stage 2 only self.shard.grad holds a gradient, every p.grad is None"
             elif close(got[own], want[own]) and torch.equal(got[elsewhere], old[elsewhere]):
                 why = "only this rank's own shard was updated: all-gather self.flat after the optimizer's step"
             else:
