@@ -173,7 +173,7 @@ class TestStageStep:
         expected = {}
         for b, nbytes in enumerate(boundary_bytes(4)):
             expected[b, b + 1] = expected[b + 1, b] = nbytes
-        for (source, destination), nbytes in sorted(expected.items() | sent.items()):
+        for source, destination in sorted(expected.keys() | sent.keys()):
             what = "activations" if destination == source + 1 else "gradients"
             got, want = sent.get((source, destination), 0), expected.get((source, destination), 0)
             assert got == want, (
