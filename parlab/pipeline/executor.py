@@ -279,7 +279,8 @@ class PipelineExecutor:
             like = torch.empty(header[2:2 + header[1]], dtype=DTYPES[header[0]], device="meta")
         else:  # the gradient of the output of this rank's F(stage - 1, m)
             like = self._state[stage - 1, m].output_like
-        buffer = torch.empty_like(like, device=self.device)
+        # Not empty_like: from a meta tensor it imports sympy, seconds on a fresh rank.
+        buffer = torch.empty(like.shape, dtype=like.dtype, device=self.device)
         self._posted[kind, stage, m] = p2p.irecv(buffer, self.schedule.rank_of(stage), tag=self._tag(kind, stage, m))
 
     def _tag(self, kind, stage, m):
