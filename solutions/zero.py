@@ -106,7 +106,7 @@ class ShardedOptimizer:
         # BEGIN SOLUTION: the shard's gradient (stage 1), the optimizer's step, the all-gather
         if self.shard.grad is None:
             flat_grad = self.layout.flatten([p.grad for p in self.params])
-            self.shard.grad = self.layout.shard(flat_grad, self.rank)
+            self.shard.grad = self.layout.shard(flat_grad, self.rank).clone()  # not the whole flat_grad
         self.optimizer.step()
         all_gather(self.flat, self.layout)
         # END SOLUTION
