@@ -1,8 +1,9 @@
 """Exercises and grading: generation from solutions, protection of edited files, the
 implementation travelling to the ranks, and proof that the grading tests bite: solutions
 score full marks, the generated stubs zero, a whole-tensor exchange loses exactly the
-traffic points, a deadlocked implementation costs its points within 30 s, and a DDP hook that
-all-reduces the weights instead of the gradients is told so."""
+traffic points, a deadlocked implementation costs its points within 30 s, and classic
+mistakes (a DDP hook that all-reduces the weights, full optimizer state on every rank, a
+1F1B backward seeded with 1 instead of 1/M, ...) lose exactly their points, with a reason."""
 
 import textwrap
 import time
@@ -178,30 +179,48 @@ def test_a_deadlocked_implementation_costs_its_points_within_30_s():
     }
 
 
-def test_ddp_solutions_score_full_marks_and_stubs_zero_quickly():
-    assert grade.score(grade.run_grading("ddp", impl=exercises.ROOT / "solutions")) == grade.Score(6, 6)
-    started = time.monotonic()
-    results = grade.run_grading("ddp", impl=exercises.ROOT / "exercises")
-    assert time.monotonic() - started < 30
-    assert grade.score(results) == grade.Score(0, 6)
+# topic -> (full marks, the stub a learner meets first in each task when nothing is written)
+FIRST_STUB = {
     # BucketedDDP plans its buckets with the learner's assign_buckets: that stub comes first.
-    assert all(test["reason"].startswith("NotImplementedError: assign_buckets is not implemented yet") for test in results)
+    "ddp": (6, {"ddp.assign_buckets": "assign_buckets", "ddp.bucketed_ddp": "assign_buckets"}),
+    "zero": (10, {"zero.sharded_optimizer": "build_optimizer",
+                  "zero.reduce_scatter_gradients": "reduce_scatter_gradients"}),
+    "pipeline": (10, {"pipeline.one_f_one_b": "one_f_one_b", "pipeline.stage_step": "forward_step"}),
+}
+
+
+@pytest.mark.parametrize("topic", list(FIRST_STUB))
+def test_solutions_score_full_marks_and_stubs_zero_quickly(topic):
+    full, first_stub = FIRST_STUB[topic]
+    assert grade.score(grade.run_grading(topic, impl=exercises.ROOT / "solutions")) == grade.Score(full, full)
+    started = time.monotonic()
+    results = grade.run_grading(topic, impl=exercises.ROOT / "exercises")
+    assert time.monotonic() - started < 30
+    assert grade.score(results) == grade.Score(0, full)
+    for test in results:
+        assert test["reason"].startswith(f"NotImplementedError: {first_stub[test['task']]} is not implemented yet"), test
+
+
+def graded_with_mistakes(topic, mistakes, directory):
+    """Grade the solution of ``topic`` with each ``right`` text of ``mistakes`` replaced by its
+    ``wrong`` one (classic mistakes in otherwise correct code, derived at test time rather
+    than kept as copies). Returns {test name: reason} of the tests that failed."""
+    solution = (exercises.ROOT / "solutions" / f"{topic}.py").read_text()
+    for right, wrong in mistakes.items():
+        assert solution.count(right) == 1, right
+        solution = solution.replace(right, wrong)
+    (directory / f"{topic}.py").write_text(solution)
+    return {test["test"]: test["reason"] for test in grade.run_grading(topic, impl=directory) if not test["passed"]}
 
 
 def test_a_ddp_hook_that_all_reduces_the_weights_is_told_so(tmp_path):
     # The classic hook mistake, made in an otherwise correct solution: the hook is handed
     # the parameter, and this learner all-reduces it instead of its .grad.
-    solution = (exercises.ROOT / "solutions" / "ddp.py").read_text()
-    right = "torch.cat([p.grad.reshape(-1) for p in bucket])"
-    assert solution.count(right) == 1
-    (tmp_path / "ddp.py").write_text(solution.replace(right, "torch.cat([p.detach().reshape(-1) for p in bucket])"))
-    results = grade.run_grading("ddp", impl=tmp_path)
-    failed = [test for test in results if not test["passed"]]
-    assert [test["test"] for test in failed] == [
-        f"test_trains_like_one_process_on_the_full_batch[{n} ranks]" for n in (2, 4)
-    ]
-    for test in failed:
-        assert "your hook synchronises weights, not gradients" in test["reason"], test
+    failed = graded_with_mistakes("ddp", {"torch.cat([p.grad.reshape(-1) for p in bucket])":
+                                          "torch.cat([p.detach().reshape(-1) for p in bucket])"}, tmp_path)
+    assert sorted(failed) == [f"test_trains_like_one_process_on_the_full_batch[{n} ranks]" for n in (2, 4)]
+    for reason in failed.values():
+        assert "your hook synchronises weights, not gradients" in reason, reason
 
 
 def test_one_task_is_graded_alone_and_a_broken_file_says_why(tmp_path, capsys):
@@ -215,36 +234,18 @@ def test_one_task_is_graded_alone_and_a_broken_file_says_why(tmp_path, capsys):
         grade.check("collectives.ring", impl=tmp_path)
 
 
-def test_zero_solutions_score_full_marks_and_stubs_zero_quickly():
-    assert grade.score(grade.run_grading("zero", impl=exercises.ROOT / "solutions")) == grade.Score(10, 10)
-    started = time.monotonic()
-    results = grade.run_grading("zero", impl=exercises.ROOT / "exercises")
-    assert time.monotonic() - started < 30
-    assert grade.score(results) == grade.Score(0, 10)
-    for test in results:
-        function = {"zero.sharded_optimizer": "build_optimizer"}.get(test["task"], "reduce_scatter_gradients")
-        assert test["reason"].startswith(f"NotImplementedError: {function} is not implemented yet"), test
-
-
 def test_zero_full_optimizer_state_and_an_all_reduce_lose_exactly_their_points(tmp_path):
     # Two classic mistakes in an otherwise correct solution, graded in one run: Adam built
     # over the whole model (right numbers at stage 1 but N_d times the state, and nothing to
     # step at stage 2, where only the shard has a gradient), and the gradients all-reduced
     # before the shard is taken (right shard, twice the traffic).
-    solution = (exercises.ROOT / "solutions" / "zero.py").read_text()
-    mistakes = {
+    failed = graded_with_mistakes("zero", {
         "optimizer_class([self.shard], **optimizer_kwargs)": "optimizer_class(self.params, **optimizer_kwargs)",
         "reduce_scatter(flat_grad, layout, dist.get_rank())": (
             "layout.shard(ring_allreduce(flat_grad, op='avg', check=False), dist.get_rank())"
         ),
         "import torch\n": "import torch\nfrom parlab.collectives import ring_allreduce\n",
-    }
-    for right, wrong in mistakes.items():
-        assert solution.count(right) == 1, right
-        solution = solution.replace(right, wrong)
-    (tmp_path / "zero.py").write_text(solution)
-    results = grade.run_grading("zero", impl=tmp_path)
-    failed = {test["test"]: test["reason"] for test in results if not test["passed"]}
+    }, tmp_path)
     assert sorted(failed) == [
         "test_holds_one_shard_of_the_optimizer_state[2 ranks]",
         "test_holds_one_shard_of_the_optimizer_state[4 ranks]",
@@ -260,29 +261,13 @@ def test_zero_full_optimizer_state_and_an_all_reduce_lose_exactly_their_points(t
             assert "that is an all-reduce, twice a reduce-scatter" in reason, reason
 
 
-def test_pipeline_solutions_score_full_marks_and_stubs_zero_quickly():
-    assert grade.score(grade.run_grading("pipeline", impl=exercises.ROOT / "solutions")) == grade.Score(10, 10)
-    started = time.monotonic()
-    results = grade.run_grading("pipeline", impl=exercises.ROOT / "exercises")
-    assert time.monotonic() - started < 30
-    assert grade.score(results) == grade.Score(0, 10)
-    for test in results:
-        function = {"pipeline.one_f_one_b": "one_f_one_b"}.get(test["task"], "forward_step")
-        assert test["reason"].startswith(f"NotImplementedError: {function} is not implemented yet"), test
-
-
 def test_pipeline_late_backwards_and_a_missing_1_over_m_lose_exactly_their_points(tmp_path):
     # Two classic mistakes in an otherwise correct solution, graded in one run: one warm-up
     # forward too many (a valid schedule, but not 1F1B's, holding one more micro-batch),
     # and each micro-batch's backward started from 1 instead of 1/M.
-    solution = (exercises.ROOT / "solutions" / "pipeline.py").read_text()
-    mistakes = {"warmup = K - r - 1": "warmup = K - r", "1.0 / executor.schedule.num_microbatches": "1.0"}
-    for right, wrong in mistakes.items():
-        assert solution.count(right) == 1, right
-        solution = solution.replace(right, wrong)
-    (tmp_path / "pipeline.py").write_text(solution)
-    results = grade.run_grading("pipeline", impl=tmp_path)
-    failed = {test["test"]: test["reason"] for test in results if not test["passed"]}
+    failed = graded_with_mistakes(
+        "pipeline", {"warmup = K - r - 1": "warmup = K - r", "1.0 / executor.schedule.num_microbatches": "1.0"}, tmp_path
+    )
     assert sorted(failed) == [
         "test_golden_grids",
         "test_gradients_like_one_process_on_the_full_batch[2 ranks]",
