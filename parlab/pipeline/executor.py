@@ -45,8 +45,10 @@ gradients or buffers in flight.
 Checkpointing (activation recomputation): with ``checkpoint="always"`` F runs without
 a graph and keeps only the stage input; B first runs the forward again (with the random
 state of F, so dropout draws the same mask) and then the backward. ``"except_last"`` is
-GPipe's default: every micro-batch but the last, whose backward follows its forward at
-once on the last stage.
+torchgpipe's default: every micro-batch but the last is checkpointed. torchgpipe runs the
+backwards in reverse, so the last micro-batch's backward comes first and recomputing it
+would be wasted; parlab's GPipe, like torch's ScheduleGPipe, runs them in order 0..M-1, so
+here the last micro-batch's activations stay held through the whole backward phase.
 """
 
 from contextlib import contextmanager
