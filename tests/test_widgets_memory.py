@@ -72,13 +72,20 @@ def test_bar_heights_are_the_papers_formula_in_gigabytes():
     assert [text.get_text() for text in ax.texts if text.get_text()[0].isdigit()] == ["120", "31.4", "16.6", "1.88"]
     assert ax.get_ylabel() == "model states per device (GB)"
     assert horizontal_lines(ax) == [80]  # the device line, within view of the 120 GB bar
-    assert ax.get_title().endswith("fits a 80 GB device from stage 1")
+    assert ax.get_title().endswith("fits an 80 GB device from stage 1")
 
 
 def test_the_device_line_moves_with_device_gb_and_says_when_nothing_fits():
     ax = memory_bars(70e9, 8, device_gb=40)
     assert horizontal_lines(ax) == [40]
     assert ax.get_title().endswith("no stage fits a 40 GB device")  # 70B / 8 x 16 bytes = 140 GB
+
+
+@pytest.mark.parametrize("device_gb, article", [
+    (8, "an"), (11, "an"), (18, "an"), (80, "an"), (89, "an"), (8.5, "an"), (800, "an"), (11000, "an"),
+    (1, "a"), (16, "a"), (24, "a"), (40, "a"), (90, "a"), (110, "a"), (180, "a"), (1100, "a")])
+def test_the_title_says_a_or_an_as_the_device_size_is_read(device_gb, article):
+    assert f"fits {article} {device_gb:g} GB device" in memory_bars(7.5e9, 64, device_gb=device_gb).get_title()
 
 
 def test_a_small_model_is_drawn_in_kilobytes_without_a_far_away_device_line():

@@ -232,9 +232,18 @@ def _stacked_bar(ax, x, width, state, scale, kind, stage, outlined):
 
 def _first_fit(predicted, device, device_gb):
     fitting = [stage for stage, state in predicted.items() if fits(state, device)]
-    if not fitting:
-        return f"no stage fits a {device_gb:g} GB device"
-    return f"fits a {device_gb:g} GB device from stage {fitting[0]}"
+    number = f"{device_gb:g}"
+    target = f"{_article(number)} {number} GB device"
+    return f"fits {target} from stage {fitting[0]}" if fitting else f"no stage fits {target}"
+
+
+def _article(number):
+    """The article said before ``number`` (digits): "an" where it is read starting with a
+    vowel, eight... or an eleven or eighteen leading a group of thousands (8, 80, 11, 18,
+    11000, 18.5; not 110 or 180), "a" otherwise."""
+    whole = number.split(".")[0]
+    eleven = len(whole) % 3 == 2 and whole[:2] in ("11", "18")
+    return "an" if whole.startswith("8") or eleven else "a"
 
 
 def _count(psi):
