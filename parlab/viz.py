@@ -11,6 +11,11 @@ COMPUTE_COLOURS = {
     "backward": "tab:green",
     "weight": "tab:olive",
     "optimizer": "tab:orange",
+    # FSDP marks each unit's collectives as spans (parlab.zero.units.FlatUnit); their sends
+    # and receives draw in the lower half of the row, in COMM_COLOURS.
+    "all-gather": "tab:cyan",
+    "reduce-scatter": "tab:pink",
+    "all-reduce": "darkgoldenrod",
 }
 COMM_COLOURS = {"send": "tab:red", "isend": "tab:red", "recv": "tab:purple", "irecv": "tab:purple"}
 OTHER_COMPUTE, OTHER_COMM = "tab:gray", "tab:brown"
