@@ -42,6 +42,7 @@ _WITH_TORCH = {
     "SleepLayer": "parlab.pipeline.stages",
     "PipelineExecutor": "parlab.pipeline.executor",
     "sleep_pipeline_step": "parlab.pipeline.executor",
+    "PipelineDataParallel": "parlab.pipeline.grid",
 }
 
 

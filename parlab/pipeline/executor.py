@@ -36,6 +36,12 @@ exactly the activations and gradients of the schedule). Each rank posts the rece
 next action before running the current one, when it knows the shape. Stages on the same
 rank hand tensors over in memory.
 
+Ranks: by default the schedule's rank r is global rank r and the world is the K ranks.
+``ranks=`` runs the schedule on any K global ranks instead, schedule rank r on global rank
+``ranks[r]`` (``parlab.pipeline.grid`` runs D pipelines side by side this way): only the
+addresses of the messages change. Tags stay per (kind, stage, m): pipelines that run at the
+same time use disjoint ranks, so their messages cannot meet.
+
 Activation memory: ``peak_activation_bytes`` is measured in every step: the bytes of the
 tensors autograd saves for backward (``saved_tensors_hooks``) plus the stage inputs and
 outputs the executor keeps, each storage counted once, at its peak. Parameters and the
@@ -111,16 +117,26 @@ class PipelineExecutor:
     (``schedule.stages_of(rank)``) to its module; ``loss_fn(output, target)`` is the mean
     loss of a micro-batch; ``checkpoint`` is None, "always" or "except_last" (module
     docstring). Runs on the default process group of K = ``schedule.num_ranks`` ranks, or
-    in one process without one when K = 1."""
+    in one process without one when K = 1; with ``ranks`` (K distinct global ranks, this
+    one among them) on those ranks of a larger world. ``self.rank`` is the schedule's rank
+    r, ``self.ranks[r]`` its global rank."""
 
     def __init__(self, schedule, stages, loss_fn, checkpoint=None, forward_step=forward_step,
-                 backward_step=backward_step, weight_step=weight_step):
+                 backward_step=backward_step, weight_step=weight_step, ranks=None):
         K = schedule.num_ranks
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if world != K:
-            raise ValueError(f"the schedule is for K = {K} ranks but {world} are running: run it on "
-                             f"{K} ranks or make the schedule for {world}.")
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        global_rank = dist.get_rank() if dist.is_initialized() else 0
+        if ranks is None:
+            if world != K:
+                raise ValueError(f"the schedule is for K = {K} ranks but {world} are running: run it on "
+                                 f"{K} ranks or make the schedule for {world}.")
+            ranks = range(K)
+        self.ranks = list(ranks)
+        if (len(self.ranks) != K or len(set(self.ranks)) != K or global_rank not in self.ranks
+                or not all(0 <= r < world for r in self.ranks)):
+            raise ValueError(f"ranks={self.ranks} must be K = {K} distinct global ranks below the world size {world}, "
+                             f"this rank ({global_rank}) among them: pass one global rank per schedule rank.")
+        self.rank = self.ranks.index(global_rank)
         expected = schedule.stages_of(self.rank)
         if sorted(stages) != expected:
             raise ValueError(f"rank {self.rank} runs stages {expected} of this {schedule.name} schedule (stage s lives "
@@ -236,8 +252,8 @@ class PipelineExecutor:
         tensor = tensor.contiguous()
         if kind == ACTIVATION and stage not in self._headers:
             self._headers[stage] = header = _header(tensor, self._header_device())
-            self._sends.append(dist.isend(header, destination, tag=self._tag(HEADER, stage, 0)))
-        self._sends.append(p2p.isend(tensor, destination, tag=self._tag(kind, stage, m)))
+            self._sends.append(dist.isend(header, self.ranks[destination], tag=self._tag(HEADER, stage, 0)))
+        self._sends.append(p2p.isend(tensor, self.ranks[destination], tag=self._tag(kind, stage, m)))
 
     def _retire_finished_sends(self):
         """Wait, after each action, for the sends that have already completed: the trace then
@@ -258,7 +274,7 @@ class PipelineExecutor:
         if (kind, stage, m) not in self._posted:
             if kind == ACTIVATION and stage not in self._headers:
                 self._headers[stage] = torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self._header_device())
-                dist.recv(self._headers[stage], source, tag=self._tag(HEADER, stage, 0))
+                dist.recv(self._headers[stage], self.ranks[source], tag=self._tag(HEADER, stage, 0))
             self._irecv(kind, stage, m)
         return self._posted.pop((kind, stage, m)).wait()
 
@@ -283,7 +299,8 @@ class PipelineExecutor:
             like = self._state[stage - 1, m].output_like
         # Not empty_like: from a meta tensor it imports sympy, seconds on a fresh rank.
         buffer = torch.empty(like.shape, dtype=like.dtype, device=self.device)
-        self._posted[kind, stage, m] = p2p.irecv(buffer, self.schedule.rank_of(stage), tag=self._tag(kind, stage, m))
+        source = self.ranks[self.schedule.rank_of(stage)]
+        self._posted[kind, stage, m] = p2p.irecv(buffer, source, tag=self._tag(kind, stage, m))
 
     def _tag(self, kind, stage, m):
         return (kind * self.schedule.num_stages + stage) * self.schedule.num_microbatches + m

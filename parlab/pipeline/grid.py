@@ -1,0 +1,118 @@
+"""Pipeline and data parallelism together: N = D x K ranks form a grid of D replicas of a
+K-stage pipeline (D is the lecture's N_d, the data-parallel degree).
+
+The lecture's 2 x 2 grid (D = 2 replicas, K = 2 stages, N = 4 ranks):
+
+                       stage 0          stage 1
+    pipeline 0        rank 0  --p2p-->  rank 1         samples 0 .. B/2 - 1
+                        |                 |
+                    all-reduce        all-reduce
+                        |                 |
+    pipeline 1        rank 2  --p2p-->  rank 3         samples B/2 .. B - 1
+
+Layout: the rows are pipelines, the columns data-parallel groups. Schedule rank r of
+pipeline d is global rank d K + r (``rank_grid(D, K)[d][r]``): pipeline d is ranks
+d K .. d K + K - 1, and the data-parallel group of schedule rank r is {r, K + r, 2K + r, ...}.
+Consecutive ranks form a pipeline because its p2p messages are on the critical path of
+every micro-batch, while the all-reduce comes once per step: on a real cluster the
+neighbours on one fast node carry the pipeline.
+
+What each rank holds: the stages of its schedule rank (stage r for GPipe and 1F1B;
+r, r + K, ... when interleaved), the same stages as the other members of its column.
+
+What moves where in one step:
+- inside a pipeline (a row), p2p: the activations and gradients of the schedule, for the
+  replica's own shard of B / D samples, cut into M micro-batches of B / (D M);
+- inside a data-parallel group (a column), after the pipeline's step: one ring all-reduce
+  (average) per stage over one flat buffer of the stage's gradients, padded with zeros to
+  a multiple of D, so each rank sends 2 (D - 1)/D x (padded stage bytes).
+
+Each replica's gradient is that of the mean loss over its shard; their average over the
+D replicas is the gradient of the mean loss over the whole batch of B samples, so every
+rank ends the step with the gradient one process would compute on the full batch, and
+equal replicas take equal optimizer steps.
+"""
+
+import torch
+import torch.distributed as dist
+
+from parlab import trace
+from parlab.collectives import ring_allreduce
+from parlab.pipeline.executor import PipelineExecutor
+from parlab.zero.flat import FlatLayout
+
+__all__ = ["PipelineDataParallel", "rank_grid"]
+
+
+def rank_grid(D, K):
+    """The global ranks as D rows (pipelines) of K columns (schedule ranks):
+    ``rank_grid(D, K)[d][r] = d K + r``; column r is the data-parallel group of r."""
+    return [[d * K + r for r in range(K)] for d in range(D)]
+
+
+class PipelineDataParallel:
+    """This rank's place in a grid of D = ``data_parallel_degree`` pipelines of K =
+    ``schedule.num_ranks`` ranks each, on a world of exactly D x K ranks (module docstring).
+
+    ``stages`` maps each global stage index of this rank's schedule rank to its module,
+    ``loss_fn`` and ``checkpoint`` are as for ``PipelineExecutor``. Every rank must build
+    it, in the same order as the other ranks (it creates the K data-parallel groups).
+    Construction copies each stage's parameters from pipeline 0 to the other replicas (one
+    broadcast of a flat buffer per stage in each column), so the replicas start equal.
+
+    Attributes: ``replica`` (d), ``pipeline_ranks`` (this row), ``data_parallel_ranks``
+    (this column), ``executor`` (the row's ``PipelineExecutor``).
+    """
+
+    def __init__(self, schedule, stages, loss_fn, data_parallel_degree, checkpoint=None):
+        D, K = data_parallel_degree, schedule.num_ranks
+        world = dist.get_world_size()
+        if not isinstance(D, int) or D < 1 or world != D * K:
+            raise ValueError(f"a grid of D = {D!r} pipelines of K = {K} ranks needs D x K ranks, but {world} are "
+                             f"running: choose D and K with D x K = {world}, or run on a world of that size.")
+        grid = rank_grid(D, K)
+        columns = [[row[r] for row in grid] for r in range(K)]
+        groups = [dist.new_group(column) for column in columns]  # every rank creates every group, in one order
+        self.replica, r = divmod(dist.get_rank(), K)
+        self.pipeline_ranks, self.data_parallel_ranks = grid[self.replica], columns[r]
+        self.group, self.data_parallel_degree = groups[r], D
+        self.executor = PipelineExecutor(schedule, stages, loss_fn, checkpoint, ranks=self.pipeline_ranks)
+        self.parameters = {s: [p for p in stage.parameters() if p.requires_grad] for s, stage in stages.items()}
+        self.layouts = {s: FlatLayout([p.shape for p in ps], D) for s, ps in self.parameters.items() if ps}
+        self._copy_parameters_from_pipeline_0()
+
+    def step(self, inputs=None, targets=None):
+        """One training step on the whole batch of B samples (B a multiple of D M; inputs
+        needed on the ranks of stage 0, targets on those of the last stage): pipeline d
+        runs its schedule on samples d B/D .. (d + 1) B/D - 1, then each stage's gradients
+        are averaged over its column. Returns the M micro-batch losses of the replica's
+        shard on the ranks of the last stage, None elsewhere. No optimizer step."""
+        losses = self.executor.step(self._shard(inputs), self._shard(targets))
+        for s, layout in self.layouts.items():
+            with trace.span("all-reduce", stage=s), torch.no_grad():
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.parameters[s]]
+                flat = layout.flatten(grads)
+                ring_allreduce(flat, op="avg", check=False, group=self.group)  # same layout on every member
+                for p, averaged in zip(self.parameters[s], layout.views(flat)):
+                    p.grad = averaged  # a view of the flat buffer, as torch DDP's gradient_as_bucket_view
+        return losses
+
+    def _shard(self, batch):
+        if not torch.is_tensor(batch):
+            return batch  # the executor says which ranks need which tensor
+        D, M = self.data_parallel_degree, self.executor.schedule.num_microbatches
+        if len(batch) % (D * M):
+            raise ValueError(f"a batch of {len(batch)} samples does not split into D = {D} shards of M = {M} equal "
+                             f"micro-batches: use a batch size that is a multiple of D x M = {D * M}.")
+        return batch.tensor_split(D)[self.replica]
+
+    def _copy_parameters_from_pipeline_0(self):
+        source = self.data_parallel_ranks[0]
+        for s, layout in self.layouts.items():
+            with torch.no_grad():
+                flat = layout.flatten([p.detach() for p in self.parameters[s]])
+                start = trace.now()
+                dist.broadcast(flat, src=source, group=self.group)
+                trace.record_comm("broadcast", source, flat.numel() * flat.element_size(), start, trace.now())
+                for p, value in zip(self.parameters[s], layout.views(flat)):
+                    p.copy_(value)

@@ -1,0 +1,169 @@
+"""parlab.pipeline.grid on 4 real ranks: D = 2 pipelines of K = 2 stages (GPipe and 1F1B;
+also D = 4, K = 1 and D = 1, K = 4) give every rank the one-process full-batch gradient of
+its layers and the same parameters after 3 SGD steps, even when the replicas start from
+different weights; the trace shows p2p only inside a pipeline and the all-reduce only
+inside a data-parallel group, with exactly the ring's bytes; a world that is not D x K and
+a batch that does not split raise ValueError."""
+
+import functools
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from parlab import trace
+from parlab.pipeline import gpipe, make_schedule, partition
+from parlab.pipeline.executor import PipelineExecutor
+from parlab.pipeline.grid import PipelineDataParallel, rank_grid
+
+IN, HIDDEN, OUT = 5, 12, 3
+BATCH, M, STEPS, LR = 48, 4, 3, 0.1  # D = 1, 2, 4 shards of 48, 24, 12 samples; micro-batches of 12, 6, 3
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+
+
+def build_mlp(seed=0):
+    """423 parameters; cut in two: stage 0 holds 228 (even), stage 1 holds 195 (odd: the
+    flat buffer gets one element of padding for D = 2)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
+                         nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT))
+
+
+def full_batch():
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(BATCH, IN, generator=generator), torch.randn(BATCH, OUT, generator=generator)
+
+
+@functools.cache
+def reference():
+    """One process on the full batch: (gradients of step 1, parameters after STEPS steps)."""
+    model = build_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = full_batch()
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        if step == 0:
+            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        optimizer.step()
+    return grads, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def grid_model(name, D, K):
+    """This rank's (PipelineDataParallel, its parameters by model name). Replica d > 0
+    starts from other weights: the grid must copy pipeline 0's."""
+    schedule = make_schedule(name, K, M)
+    model = build_mlp(seed=dist.get_rank() // K * 100)
+    stages = partition(model, K)
+    r = dist.get_rank() % K
+    grid = PipelineDataParallel(schedule, {r: stages[r]}, F.mse_loss, D)
+    mine = {id(p) for p in stages[r].parameters()}
+    return grid, {n: p for n, p in model.named_parameters() if id(p) in mine}
+
+
+def train_on_grid(name, D, K):
+    grid, named = grid_model(name, D, K)
+    optimizer = torch.optim.SGD(named.values(), lr=LR)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        losses = grid.step(*full_batch())
+        if step == 0:
+            grads, first_losses = {n: p.grad.clone() for n, p in named.items()}, losses
+        optimizer.step()
+    return grads, {n: p.detach().clone() for n, p in named.items()}, first_losses
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name, D, K", [("gpipe", 2, 2), ("1f1b", 2, 2), ("gpipe", 4, 1), ("1f1b", 1, 4)])
+def test_every_rank_trains_like_one_process_on_the_full_batch(name, D, K, cluster4):
+    expected_grads, expected_params = reference()
+    per_rank = cluster4.run(train_on_grid, name, D, K, timeout=30)
+    for row in rank_grid(D, K):  # each pipeline holds every parameter exactly once
+        held = [n for rank in row for n in per_rank[rank][0]]
+        assert sorted(held) == sorted(expected_grads)
+    model, (x, y) = build_mlp(), full_batch()
+    for rank, (grads, params, losses) in enumerate(per_rank):
+        for n in grads:
+            torch.testing.assert_close(grads[n], expected_grads[n], **TOLERANCE, msg=f"rank {rank}: gradient of {n}")
+            torch.testing.assert_close(params[n], expected_params[n], **TOLERANCE, msg=f"rank {rank}: {n} after steps")
+        d, r = divmod(rank, K)
+        if r == K - 1:  # the losses of replica d's own micro-batches
+            shard = slice(d * BATCH // D, (d + 1) * BATCH // D)
+            size = BATCH // D // M
+            expected = [F.mse_loss(model(xm), ym) for xm, ym in zip(x[shard].split(size), y[shard].split(size))]
+            torch.testing.assert_close(torch.stack(losses), torch.stack(expected), **TOLERANCE)
+        else:
+            assert losses is None
+
+
+def traced_grid_step():
+    grid, _ = grid_model("gpipe", 2, 2)
+    grid.step(*full_batch())
+
+
+@pytest.mark.timeout(60)
+def test_p2p_stays_in_a_pipeline_and_the_all_reduce_in_a_data_parallel_group(cluster4):
+    D, K = 2, 2
+    timeline = cluster4.trace(traced_grid_step, timeout=30)
+    stage_numel = [sum(p.numel() for p in stage.parameters()) for stage in partition(build_mlp(), K)]
+    padded = [math.ceil(n / D) * D for n in stage_numel]
+    assert stage_numel == [228, 195] and padded == [228, 196]  # stage 1's buffer is padded
+    activation_bytes = M * (BATCH // D // M) * HIDDEN * 4  # M messages of a micro-batch of HIDDEN features
+    rows, columns = rank_grid(D, K), [list(column) for column in zip(*rank_grid(D, K))]
+    for rank in range(D * K):
+        d, r = divmod(rank, K)
+        (span,) = timeline.select(rank=rank, name="all-reduce")
+        assert span.stage == r
+        ring_bytes = 2 * (D - 1) * padded[r] * 4 // D
+        for ops in (("send", "isend"), ("recv", "irecv")):
+            events = [ev for ev in timeline.select(rank=rank, kind=trace.COMM) if ev.name in ops]
+            inside = [ev for ev in events if span.start <= ev.start <= span.end]
+            outside = [ev for ev in events if ev not in inside]
+            assert {ev.peer for ev in inside} == set(columns[r]) - {rank}
+            assert sum(ev.nbytes for ev in inside) == ring_bytes
+            assert {ev.peer for ev in outside} == set(rows[d]) - {rank}
+            assert sum(ev.nbytes for ev in outside) == activation_bytes
+        assert timeline.bytes_sent()[rank] == activation_bytes + ring_bytes
+        (broadcast,) = timeline.select(rank=rank, name="broadcast")  # pipeline 0's weights, at construction
+        assert (broadcast.peer, broadcast.nbytes) == (columns[r][0], padded[r] * 4)
+
+
+def learner_mistakes():
+    messages = []
+    stage = partition(build_mlp(), 2)[dist.get_rank() % 2]
+    try:
+        PipelineDataParallel(gpipe(2, M), {dist.get_rank() % 2: stage}, F.mse_loss, 3)
+    except ValueError as error:
+        messages.append(str(error))
+    grid, _ = grid_model("gpipe", 2, 2)
+    try:
+        grid.step(*(t[:20] for t in full_batch()))
+    except ValueError as error:
+        messages.append(str(error))
+    return messages
+
+
+@pytest.mark.timeout(60)
+def test_a_world_that_is_not_d_times_k_and_a_batch_that_does_not_split_raise(cluster4):
+    for world_error, batch_error in cluster4.run(learner_mistakes, timeout=30):
+        assert "D = 3 pipelines of K = 2 ranks needs D x K ranks, but 4 are running" in world_error
+        assert "choose D and K with D x K = 4" in world_error
+        assert "a batch of 20 samples does not split into D = 2 shards" in batch_error
+        assert "multiple of D x M = 8" in batch_error
+
+
+def test_rank_grid_rows_are_pipelines_and_the_executor_checks_its_ranks():
+    assert rank_grid(2, 2) == [[0, 1], [2, 3]]
+    assert rank_grid(2, 3) == [[0, 1, 2], [3, 4, 5]]
+    assert rank_grid(4, 1) == [[0], [1], [2], [3]]
+    model = build_mlp()
+    with pytest.raises(ValueError, match=r"ranks=\[1\] must be K = 1 distinct global ranks"):
+        PipelineExecutor(gpipe(1, 2), {0: model}, F.mse_loss, ranks=[1])
+    with pytest.raises(ValueError, match=r"ranks=\[0, 0\] must be K = 2 distinct"):
+        PipelineExecutor(gpipe(2, 2), {0: model}, F.mse_loss, ranks=[0, 0])
+    x, y = full_batch()
+    PipelineExecutor(gpipe(1, 4), {0: model}, F.mse_loss, ranks=[0]).step(x, y)
+    torch.testing.assert_close(model[0].weight.grad, reference()[0]["0.weight"], **TOLERANCE)
