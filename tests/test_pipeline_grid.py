@@ -1,9 +1,9 @@
-"""parlab.pipeline.grid on 4 real ranks: D = 2 pipelines of K = 2 stages (GPipe and 1F1B;
-also D = 4, K = 1 and D = 1, K = 4) give every rank the one-process full-batch gradient of
-its layers and the same parameters after 3 SGD steps, even when the replicas start from
-different weights; the trace shows p2p only inside a pipeline and the all-reduce only
-inside a data-parallel group, with exactly the ring's bytes; a world that is not D x K and
-a batch that does not split raise ValueError."""
+"""parlab.pipeline.grid on 4 real ranks: D = 2 pipelines of K = 2 ranks (GPipe, 1F1B, and
+interleaved 1F1B with two stages per rank; also D = 4, K = 1 and D = 1, K = 4) give every
+rank the one-process full-batch gradient of its layers and the same parameters after 3 SGD
+steps, even when the replicas start from different weights; the trace shows p2p only
+inside a pipeline and the all-reduce only inside a data-parallel group, with exactly the
+ring's bytes; a world that is not D x K and a batch that does not split raise ValueError."""
 
 import functools
 import math
@@ -52,20 +52,20 @@ def reference():
     return grads, {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def grid_model(name, D, K):
+def grid_model(name, D, K, v=1):
     """This rank's (PipelineDataParallel, its parameters by model name). Replica d > 0
     starts from other weights: the grid must copy pipeline 0's."""
-    schedule = make_schedule(name, K, M)
+    schedule = make_schedule(name, K, M, v)
     model = build_mlp(seed=dist.get_rank() // K * 100)
-    stages = partition(model, K)
-    r = dist.get_rank() % K
-    grid = PipelineDataParallel(schedule, {r: stages[r]}, F.mse_loss, D)
-    mine = {id(p) for p in stages[r].parameters()}
-    return grid, {n: p for n, p in model.named_parameters() if id(p) in mine}
+    stages = partition(model, K * v)
+    mine = {s: stages[s] for s in schedule.stages_of(dist.get_rank() % K)}
+    grid = PipelineDataParallel(schedule, mine, F.mse_loss, D)
+    held = {id(p) for stage in mine.values() for p in stage.parameters()}
+    return grid, {n: p for n, p in model.named_parameters() if id(p) in held}
 
 
-def train_on_grid(name, D, K):
-    grid, named = grid_model(name, D, K)
+def train_on_grid(name, D, K, v):
+    grid, named = grid_model(name, D, K, v)
     optimizer = torch.optim.SGD(named.values(), lr=LR)
     for step in range(STEPS):
         optimizer.zero_grad()
@@ -76,11 +76,12 @@ def train_on_grid(name, D, K):
     return grads, {n: p.detach().clone() for n, p in named.items()}, first_losses
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("name, D, K", [("gpipe", 2, 2), ("1f1b", 2, 2), ("gpipe", 4, 1), ("1f1b", 1, 4)])
-def test_every_rank_trains_like_one_process_on_the_full_batch(name, D, K, cluster4):
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name, D, K, v", [("gpipe", 2, 2, 1), ("1f1b", 2, 2, 1), ("interleaved_1f1b", 2, 2, 2),
+                                           ("gpipe", 4, 1, 1), ("1f1b", 1, 4, 1)])
+def test_every_rank_trains_like_one_process_on_the_full_batch(name, D, K, v, cluster4):
     expected_grads, expected_params = reference()
-    per_rank = cluster4.run(train_on_grid, name, D, K, timeout=30)
+    per_rank = cluster4.run(train_on_grid, name, D, K, v, timeout=60)
     for row in rank_grid(D, K):  # each pipeline holds every parameter exactly once
         held = [n for rank in row for n in per_rank[rank][0]]
         assert sorted(held) == sorted(expected_grads)
@@ -104,10 +105,10 @@ def traced_grid_step():
     grid.step(*full_batch())
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_p2p_stays_in_a_pipeline_and_the_all_reduce_in_a_data_parallel_group(cluster4):
     D, K = 2, 2
-    timeline = cluster4.trace(traced_grid_step, timeout=30)
+    timeline = cluster4.trace(traced_grid_step, timeout=60)
     stage_numel = [sum(p.numel() for p in stage.parameters()) for stage in partition(build_mlp(), K)]
     padded = [math.ceil(n / D) * D for n in stage_numel]
     assert stage_numel == [228, 195] and padded == [228, 196]  # stage 1's buffer is padded
@@ -146,9 +147,9 @@ def learner_mistakes():
     return messages
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_a_world_that_is_not_d_times_k_and_a_batch_that_does_not_split_raise(cluster4):
-    for world_error, batch_error in cluster4.run(learner_mistakes, timeout=30):
+    for world_error, batch_error in cluster4.run(learner_mistakes, timeout=60):
         assert "D = 3 pipelines of K = 2 ranks needs D x K ranks, but 4 are running" in world_error
         assert "choose D and K with D x K = 4" in world_error
         assert "a batch of 20 samples does not split into D = 2 shards" in batch_error

@@ -77,8 +77,8 @@ class PipelineDataParallel:
         self.pipeline_ranks, self.data_parallel_ranks = grid[self.replica], columns[r]
         self.group, self.data_parallel_degree = groups[r], D
         self.executor = PipelineExecutor(schedule, stages, loss_fn, checkpoint, ranks=self.pipeline_ranks)
-        self.parameters = {s: [p for p in stage.parameters() if p.requires_grad] for s, stage in stages.items()}
-        self.layouts = {s: FlatLayout([p.shape for p in ps], D) for s, ps in self.parameters.items() if ps}
+        self.stage_parameters = {s: [p for p in stage.parameters() if p.requires_grad] for s, stage in stages.items()}
+        self.layouts = {s: FlatLayout([p.shape for p in ps], D) for s, ps in self.stage_parameters.items() if ps}
         self._copy_parameters_from_pipeline_0()
 
     def step(self, inputs=None, targets=None):
@@ -90,10 +90,10 @@ class PipelineDataParallel:
         losses = self.executor.step(self._shard(inputs), self._shard(targets))
         for s, layout in self.layouts.items():
             with trace.span("all-reduce", stage=s), torch.no_grad():
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.parameters[s]]
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.stage_parameters[s]]
                 flat = layout.flatten(grads)
-                ring_allreduce(flat, op="avg", check=False, group=self.group)  # same layout on every member
-                for p, averaged in zip(self.parameters[s], layout.views(flat)):
+                ring_allreduce(flat, op="avg", check=False, group=self.group)  # a column builds one layout
+                for p, averaged in zip(self.stage_parameters[s], layout.views(flat)):
                     p.grad = averaged  # a view of the flat buffer, as torch DDP's gradient_as_bucket_view
         return losses
 
@@ -110,9 +110,9 @@ class PipelineDataParallel:
         source = self.data_parallel_ranks[0]
         for s, layout in self.layouts.items():
             with torch.no_grad():
-                flat = layout.flatten([p.detach() for p in self.parameters[s]])
+                flat = layout.flatten([p.detach() for p in self.stage_parameters[s]])
                 start = trace.now()
                 dist.broadcast(flat, src=source, group=self.group)
                 trace.record_comm("broadcast", source, flat.numel() * flat.element_size(), start, trace.now())
-                for p, value in zip(self.parameters[s], layout.views(flat)):
+                for p, value in zip(self.stage_parameters[s], layout.views(flat)):
                     p.copy_(value)
