@@ -6,6 +6,7 @@ M micro-batches flow through them in an order that a schedule fixes.
     simulate.py   the timed simulator, the bubble of a timeline and its closed forms
     stages.py     cutting a model into stages (partition) and a layer that only sleeps
     executor.py   running a schedule on real ranks (PipelineExecutor, sleep_pipeline_step)
+    grid.py       D pipelines side by side, each stage data-parallel (PipelineDataParallel)
 
     from parlab.pipeline import one_f_one_b, simulate
     simulate(one_f_one_b(4, 8), t_f=1, t_b=2).bubble_fraction      # 3 / 11
