@@ -17,7 +17,7 @@ all-reduce, and the rest of the full gradient can be dropped.
 
 The flat buffer (provided). The trainable parameters lie end to end in one flat buffer,
 padded with zeros to a multiple of N_d and cut into N_d shards of ceil(Psi / N_d) elements
-(``parlab.zero.flat.FlatLayout``). Rank r owns shard (r + 1) mod N_d: that is the chunk
+(``parlab.flat.FlatLayout``). Rank r owns shard (r + 1) mod N_d: that is the chunk
 parlab's ring reduce-scatter leaves fully reduced on rank r, and the one the ring
 all-gather sends from rank r. ``layout.shard(flat, rank)`` is the view of it in ``flat``.
 
@@ -36,14 +36,14 @@ reduce-scatter of the gradients plus the all-gather of the parameters sends what
 all-reduce sends: sharding costs no extra communication.
 
 Communicate only with the provided ``reduce_scatter`` and ``all_gather`` (from
-``parlab.zero.flat``): they are traced, and the grader reads their traffic. Grade your work
+``parlab.flat``): they are traced, and the grader reads their traffic. Grade your work
 with ``python -m parlab.grade zero`` (or ``parlab.check("zero")`` in a notebook).
 """
 
 import torch
 import torch.distributed as dist
 
-from parlab.zero.flat import FlatLayout, all_gather, reduce_scatter
+from parlab.flat import FlatLayout, all_gather, reduce_scatter
 
 
 class ShardedOptimizer:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from parlab import trace
 from parlab.collectives import ring_allreduce
 from parlab.pipeline.executor import PipelineExecutor
-from parlab.zero.flat import FlatLayout
+from parlab.flat import FlatLayout
 
 __all__ = ["PipelineDataParallel", "rank_grid"]
 

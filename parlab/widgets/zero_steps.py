@@ -8,7 +8,7 @@ engines of ``parlab.zero`` do it (``ZeroDP`` for stages 0 to 2, ``FSDP`` FULL_SH
     plot_zero_steps(stage, n_d)              every phase of one step, one panel each
     zero_step_widget(n_d=4)                  a stage dropdown and a phase slider over plot_zero_step
 
-Each model state is one flat buffer cut into N_d shards (``parlab.zero.flat.FlatLayout``);
+Each model state is one flat buffer cut into N_d shards (``parlab.flat.FlatLayout``);
 rank r owns shard (r + 1) mod N_d, the chunk the ring reduce-scatter leaves fully reduced on
 it. A holding is one label per shard, None where the rank does not hold that shard:
 
@@ -41,7 +41,7 @@ import warnings
 
 from parlab.widgets.collectives import _png
 from parlab.widgets.memory import PART_LABELS, PARTS, STAGE_LABELS
-from parlab.zero.flat import FlatLayout
+from parlab.flat import FlatLayout
 
 STEP_PHASES = {
     0: ("backward", "reduce-scatter of the gradients", "all-gather of the gradients (the all-reduce is done)",

@@ -7,14 +7,13 @@
 
 Every engine is called like the model, and after ``loss.backward()`` takes its step with
 ``engine.step()``; ``engine.model_state_bytes()`` measures what the rank holds, to compare
-with ``parlab.memory.model_state_bytes``. ``parlab.zero.flat`` is the sharding they share;
+with ``parlab.memory.model_state_bytes``. ``parlab.flat`` is the sharding they share;
 ``parlab.zero.checkpoint`` saves and loads full and sharded checkpoints.
 """
 
 import importlib
 
 _PUBLIC = {
-    "FlatLayout": "parlab.zero.flat",
     "ZeroDP": "parlab.zero.stages",
     "FSDP": "parlab.zero.fsdp",
     "min_params": "parlab.zero.units",

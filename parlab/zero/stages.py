@@ -23,7 +23,7 @@ parameters too and pays a third collective: ``parlab.zero.FSDP``.)
     engine.step()                                  # RS gradients, step my shard, AG parameters
 
 How the bytes stay equal to the formula. The trainable parameters live in one flat fp32
-buffer (``parlab.zero.flat.FlatLayout``, padded to a multiple of N_d): every module
+buffer (``parlab.flat.FlatLayout``, padded to a multiple of N_d): every module
 parameter is a view into it, so the all-gather writes straight into the model. The inner
 optimizer (the given torch class) sees ONE Parameter, ``shard``: at stage 0 the whole flat
 buffer, at stages 1 and 2 the view of this rank's shard of it. Being a view, the shard adds
@@ -51,7 +51,7 @@ import torch
 
 from parlab import collectives, trace
 from parlab.memory import measure_model_state
-from parlab.zero.flat import FlatLayout, all_gather, reduce_scatter
+from parlab.flat import FlatLayout, all_gather, reduce_scatter
 
 STAGES = (0, 1, 2)
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from parlab import trace
 from parlab.collectives import ring_all_gather, ring_allreduce, ring_reduce_scatter
-from parlab.zero.flat import FlatLayout
+from parlab.flat import FlatLayout
 
 
 @dataclass(frozen=True)

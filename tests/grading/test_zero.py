@@ -26,7 +26,7 @@ from torch import nn
 
 from parlab import trace
 from parlab.memory import storage_bytes
-from parlab.zero.flat import FlatLayout, reduce_scatter
+from parlab.flat import FlatLayout, reduce_scatter
 
 RUN_TIMEOUT_S = 10
 # The first torch optimizer a process builds imports torch._dynamo: seconds per rank on a

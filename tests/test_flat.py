@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parlab.zero.flat import FlatLayout, all_gather, reduce_scatter
+from parlab.flat import FlatLayout, all_gather, reduce_scatter
 
 
 def test_padding_and_shards():
