@@ -11,8 +11,9 @@ COMPUTE_COLOURS = {
     "backward": "tab:green",
     "weight": "tab:olive",
     "optimizer": "tab:orange",
-    # FSDP marks each unit's collectives as spans (parlab.zero.units.FlatUnit); their sends
-    # and receives draw in the lower half of the row, in COMM_COLOURS.
+    # ZeRO and FSDP mark their collectives as spans ("all-gather", "reduce-scatter gradients",
+    # ...: a span is coloured by its name's first word); their sends and receives draw in
+    # the lower half of the row, in COMM_COLOURS.
     "all-gather": "tab:cyan",
     "reduce-scatter": "tab:pink",
     "all-reduce": "darkgoldenrod",
@@ -36,7 +37,7 @@ def plot_timeline(timeline, ax=None, title=None):
     for ev in timeline.events:
         start, width = (ev.start - t0) * 1e3, max(ev.duration * 1e3, span_ms / 2000)
         if ev.kind == COMPUTE:
-            colour = COMPUTE_COLOURS.get(ev.name, OTHER_COMPUTE)
+            colour = _compute_colour(ev.name)
             bottom, height, label = ev.rank - 0.42, 0.4, _compute_label(ev)
         else:
             # Transfers that overlap in time (an isend still pending during a recv) get
@@ -75,6 +76,10 @@ def _comm_lanes(events):
             ends[lane] = ev.end
         placed[ev] = lane
     return {ev: (lane, len(lane_ends[ev.rank])) for ev, lane in placed.items()}
+
+
+def _compute_colour(name):
+    return COMPUTE_COLOURS.get(name) or COMPUTE_COLOURS.get(name.split(" ")[0], OTHER_COMPUTE)
 
 
 def _compute_label(ev):

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from parlab import p2p, trace
+from parlab.trace import COMPUTE, Timeline
 from parlab.viz import plot_collective
 
 matplotlib.use("Agg")
@@ -109,3 +110,15 @@ def test_plot_collective_draws_every_cell():
     cells = [sum(isinstance(p, matplotlib.patches.Rectangle) for p in ax.patches) for ax in axes]
     assert cells == [4, 2]
     assert axes[0].figure._suptitle.get_text() == "reduce (sum) to rank 0"
+
+
+def test_collective_spans_have_colours_of_their_own():
+    from matplotlib.colors import to_rgba
+
+    events = [(0, COMPUTE, name, i * 10, i * 10 + 5, None, 0, None, None)
+              for i, name in enumerate(["forward", "all-gather", "reduce-scatter gradients", "all-reduce", "mystery"])]
+    ax = Timeline(events, world_size=1).plot()
+    colours = [tuple(bar.get_facecolor()[0]) for bar in ax.collections]
+    assert colours[1] == to_rgba("tab:cyan") and colours[2] == to_rgba("tab:pink")  # by the first word
+    assert colours[3] == to_rgba("darkgoldenrod") and colours[4] == to_rgba("tab:gray")
+    assert len(set(colours)) == 5
