@@ -28,7 +28,8 @@ the same graph, which also runs again the parts of the backward that lead to the
 Messages: an activation (from F(s, m) to stage s + 1) and a gradient (from B(s, m) to
 stage s - 1) are named by (kind, s, m), and their tag is unique per name, so messages never
 mismatch whatever order a rank posts its receives in. Sends are isends, all waited at the
-end of the step. A receiver allocates the buffer: a gradient has the shape of the output of
+end of the step (so in a measured timeline an isend ends there: gloo reports a send as
+complete only when it is waited on). A receiver allocates the buffer: a gradient has the shape of the output of
 its own F, and an activation's shape and dtype come in a small header, sent once per stage
 boundary and step before the first activation (so all micro-batches of a step must give
 a stage output of one shape; the header is metadata and untraced, so the trace counts
@@ -168,7 +169,6 @@ class PipelineExecutor:
             if i + 1 < len(actions):
                 self._post_receive(actions[i + 1])
             self.steps[action.kind](self, action)
-            self._retire_finished_sends()
         p2p.wait_all(self._sends)
         self._sends, self._local = [], {}
         self.peak_activation_bytes = self.meter.peak
@@ -254,17 +254,6 @@ class PipelineExecutor:
             self._headers[stage] = header = _header(tensor, self._header_device())
             self._sends.append(dist.isend(header, self.ranks[destination], tag=self._tag(HEADER, stage, 0)))
         self._sends.append(p2p.isend(tensor, self.ranks[destination], tag=self._tag(kind, stage, m)))
-
-    def _retire_finished_sends(self):
-        """Wait, after each action, for the sends that have already completed: the trace then
-        ends each transfer about when it finished instead of at the end of the step."""
-        pending = []
-        for request in self._sends:
-            if request.is_completed():
-                request.wait()
-            else:
-                pending.append(request)
-        self._sends = pending
 
     def receive(self, kind, stage, m):
         """The message (kind, stage, m) sent by ``stage`` (blocks until it has arrived)."""
