@@ -13,9 +13,11 @@ The lecture's 2 x 2 grid (D = 2 replicas, K = 2 stages, N = 4 ranks):
 Layout: the rows are pipelines, the columns data-parallel groups. Schedule rank r of
 pipeline d is global rank d K + r (``rank_grid(D, K)[d][r]``): pipeline d is ranks
 d K .. d K + K - 1, and the data-parallel group of schedule rank r is {r, K + r, 2K + r, ...}.
-Consecutive ranks form a pipeline because its p2p messages are on the critical path of
-every micro-batch, while the all-reduce comes once per step: on a real cluster the
-neighbours on one fast node carry the pipeline.
+Which dimension gets neighbouring ranks is a choice: pipeline messages are small (one
+micro-batch's activation) but wait on the critical path, the all-reduce is large (the
+stage's gradients) but comes once per step. Megatron-LM puts pipeline stages farthest
+apart (across nodes) and keeps the bandwidth-hungry groups on a node; on one host it makes
+no difference, and consecutive ranks per pipeline read most simply.
 
 What each rank holds: the stages of its schedule rank (stage r for GPipe and 1F1B;
 r, r + K, ... when interleaved), the same stages as the other members of its column.
