@@ -35,7 +35,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from parlab import trace
+from parlab import p2p, trace
 
 # variant -> (the cap in MiB given to assign_buckets, launched during backward?). A cap of 0
 # gives every parameter a bucket of its own, an infinite cap one bucket for all.
@@ -259,6 +259,4 @@ class AllReduceInFlight:
 def _broadcast_from_rank0(tensors):
     """Overwrite each tensor with rank 0's copy (traced: one "broadcast" event each)."""
     for tensor in tensors:
-        start = trace.now()
-        dist.broadcast(tensor.detach(), src=0)
-        trace.record_comm("broadcast", 0, tensor.numel() * tensor.element_size(), start, trace.now())
+        p2p.broadcast(tensor, src=0)

@@ -69,6 +69,16 @@ class Request:
         return self._done or self._work.is_completed()
 
 
+def broadcast(tensor, src, group=None):
+    """Overwrite ``tensor`` with global rank ``src``'s copy (torch's broadcast, over ``group``
+    or all ranks), recorded as one "broadcast" event: techniques use it to start their
+    replicas from one rank's values."""
+    start = trace.now()
+    dist.broadcast(tensor.detach(), src=src, group=group)
+    trace.record_comm("broadcast", src, _nbytes(tensor), start, trace.now())
+    return tensor
+
+
 def wait_all(requests):
     """Wait for every request, in order; returns their tensors."""
     return [request.wait() for request in requests]

@@ -38,10 +38,10 @@ equal replicas take equal optimizer steps.
 import torch
 import torch.distributed as dist
 
-from parlab import trace
+from parlab import p2p, trace
 from parlab.collectives import ring_allreduce
-from parlab.pipeline.executor import PipelineExecutor
 from parlab.flat import FlatLayout
+from parlab.pipeline.executor import PipelineExecutor
 
 __all__ = ["PipelineDataParallel", "rank_grid"]
 
@@ -113,8 +113,6 @@ class PipelineDataParallel:
         for s, layout in self.layouts.items():
             with torch.no_grad():
                 flat = layout.flatten([p.detach() for p in self.stage_parameters[s]])
-                start = trace.now()
-                dist.broadcast(flat, src=source, group=self.group)
-                trace.record_comm("broadcast", source, flat.numel() * flat.element_size(), start, trace.now())
+                p2p.broadcast(flat, src=source, group=self.group)
                 for p, value in zip(self.stage_parameters[s], layout.views(flat)):
                     p.copy_(value)
