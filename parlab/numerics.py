@@ -51,7 +51,8 @@ def backward_in_shards(loss_of, parameters, shards, order=None, dtype=None):
     loss_of(*shard) returns one shard's scalar loss (a rank's mean loss on its part);
     shards: N tuples of arguments, one per rank. dtype: sum in this dtype and cast back, as
     a communication hook that all-reduces a cast copy does (e.g. torch.float16).
-    With one shard this is the gradient of the full batch."""
+    With one shard this is the gradient of the full batch. Returns the gradients it set, in
+    the order of the trainable parameters."""
     parameters = [p for p in parameters if p.requires_grad]
     order = list(range(len(shards))) if order is None else list(order)
     if not shards or sorted(order) != list(range(len(shards))):
@@ -62,11 +63,12 @@ def backward_in_shards(loss_of, parameters, shards, order=None, dtype=None):
         for g in grads[1:]:
             total = total + g.to(total.dtype)
         p.grad = total.to(grads[0].dtype) / len(shards)
+    return [p.grad for p in parameters]
 
 
 def max_abs_difference(a, b):
-    """max |a - b| over every element of every tensor; ``a`` and ``b`` are tensors or dicts
-    of tensors with the same names and shapes."""
+    """max |a - b| over every element of every tensor; ``a`` and ``b`` are results: tensors,
+    or dicts or lists of tensors, with the same names (positions) and shapes."""
     a, b = _named(a), _named(b)
     if a.keys() != b.keys():
         raise ValueError(f"the results hold different tensors: {sorted(a)} vs {sorted(b)}")
@@ -123,7 +125,9 @@ def _named(result):
         return {"tensor": result}
     if isinstance(result, dict):
         return result
-    raise ValueError(f"expected a tensor or a dict of tensors, got {type(result).__name__}")
+    if isinstance(result, (list, tuple)):
+        return dict(enumerate(result))
+    raise ValueError(f"expected a tensor, or a dict or list of tensors, got {type(result).__name__}")
 
 
 def _difference(a, b):

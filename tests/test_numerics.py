@@ -120,8 +120,10 @@ def test_nan_shapes_and_names_fail_loudly():
     assert_within(torch.ones(2, dtype=torch.int64), torch.ones(2, dtype=torch.int64), 0)
     with pytest.raises(ValueError, match="a list of one-process results"):
         rounding_band(reference, reference)
-    with pytest.raises(ValueError, match="a tensor or a dict of tensors"):
-        max_abs_difference([torch.ones(1)], [torch.ones(1)])
+    with pytest.raises(ValueError, match="a tensor, or a dict or list of tensors"):
+        max_abs_difference(1.0, torch.ones(1))
+    with pytest.raises(ValueError, match="different tensors"):
+        max_abs_difference([torch.ones(1)], [torch.ones(1)] * 2)
 
 
 def test_backward_in_shards_is_the_ranks_arithmetic():
@@ -141,8 +143,8 @@ def test_backward_in_shards_is_the_ranks_arithmetic():
     full = model.weight.grad.clone()
     shards = list(zip(inputs.chunk(4), targets.chunk(4)))
     for order in ring_orders(4) + [[3, 1, 0, 2]]:
-        backward_in_shards(loss_of, model.parameters(), shards, order)
-        assert torch.equal(model.weight.grad, full)
+        (returned,) = backward_in_shards(loss_of, model.parameters(), shards, order)
+        assert returned is model.weight.grad and torch.equal(returned, full)
     backward_in_shards(loss_of, model.parameters(), [(inputs, targets)])
     assert torch.equal(model.weight.grad, full)
     with pytest.raises(ValueError, match="each of the 4 shards once"):
