@@ -14,10 +14,12 @@ repairs itself, so the next call works.
 import itertools
 import pickle
 import sys
+import threading
 import time
 import weakref
 from multiprocessing.connection import wait
 
+from parlab.runtime import capacity
 from parlab.runtime import placement as placement_rules
 from parlab.runtime.errors import RankError, RankTimeout
 from parlab.runtime.pool import WorkerPool
@@ -33,17 +35,30 @@ class Cluster:
     backend: "auto" | "gloo" | "nccl"; device: "auto" | "cpu" | "cuda" (see
     ``parlab.runtime.placement`` for the rules). ``timeout`` is the default limit in seconds
     for one ``run`` (None: no limit); ``start_timeout`` bounds the start of the workers.
+    More ranks than the machine's memory or open-file limit can hold are refused with a
+    ValueError, far more than its cores get a warning, and a slow start shows a progress
+    bar (see ``parlab.runtime.capacity``).
+
+    Calls from several threads (a widget's callback while a cell runs) take turns: each
+    call, and the repairs after it, has the workers to itself.
     """
 
     def __init__(self, world_size, backend="auto", device="auto", timeout=300.0, start_timeout=120.0):
         self.placement = placement_rules.resolve(world_size, backend, device)
-        self.world_size = world_size
+        slow_start = capacity.check(self.placement.world_size)
+        self.world_size = self.placement.world_size
         self.timeout = timeout
         self._calls = itertools.count()
-        self._pool = WorkerPool(self.placement, start_timeout)
+        self._lock = threading.RLock()
+        self._closing = False
+        self._pool = WorkerPool(self.placement, start_timeout, progress=slow_start)
         self._finalizer = weakref.finalize(self, self._pool.shutdown)
-        self._pool.start()
-        self._pool.wait_ready()
+        try:
+            self._pool.start()
+            self._pool.wait_ready()
+        except BaseException:
+            self._pool.shutdown()  # a Ctrl-C during a long start leaves no worker behind
+            raise
 
     @property
     def backend(self):
@@ -54,9 +69,13 @@ class Cluster:
         """Process ids of the current workers, in rank order."""
         return self._pool.pids
 
+    @property
+    def closed(self):
+        """True once ``close()`` has run (or the workers could not be started)."""
+        return self._pool.closed
+
     def __repr__(self):
-        state = "closed" if self._pool.closed else "running"
-        return f"<parlab.Cluster: {self.placement.describe()}; {state}>"
+        return f"<parlab.Cluster: {self.placement.describe()}; {self._pool.state()}>"
 
     def __enter__(self):
         return self
@@ -65,15 +84,23 @@ class Cluster:
         self.close()
 
     def close(self):
-        """Stop the workers (gracefully, then by force). Safe to call twice."""
-        self._finalizer()
+        """Stop the workers (gracefully, then by force). Safe to call twice, and from another
+        thread while a call runs: that call ends at once with a RuntimeError."""
+        self._closing = True
+        if not self._lock.acquire(blocking=False):
+            self._pool.interrupt()
+            self._lock.acquire()
+        try:
+            self._finalizer()
+        finally:
+            self._lock.release()
 
     def run(self, fn, *args, timeout=None, **kwargs):
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
 
         ``timeout`` (seconds) overrides the cluster's default for this call.
         """
-        results, _ = self._call(fn, args, kwargs, timeout, traced=False)
+        results, _, _ = self._call(fn, args, kwargs, timeout, traced=False)
         return results
 
     def trace(self, fn, *args, timeout=None, **kwargs):
@@ -81,50 +108,77 @@ class Cluster:
         ``results`` are the per-rank return values."""
         from parlab.trace import Timeline
 
-        origin = time.perf_counter_ns()
-        results, events = self._call(fn, args, kwargs, timeout, traced=True)
+        results, events, origin = self._call(fn, args, kwargs, timeout, traced=True)
         return Timeline(events, self.world_size, results, origin)
 
     def _call(self, fn, args, kwargs, timeout, traced):
-        if self._pool.closed:
-            raise RuntimeError("this cluster is closed; create a new parlab.Cluster.")
+        """Returns (results, events, the dispatch time in perf_counter_ns)."""
         if not callable(fn):
             raise ValueError(f"run() needs a function to run on every rank, got {fn!r}.")
         payload = _serialise(fn, args, kwargs)
         timeout = self.timeout if timeout is None else timeout
-        self._pool.wait_ready()
-        call_id = next(self._calls)
-        for rank in range(self.world_size):
-            self._pool.send(rank, ("run", call_id, payload, traced))
-
-        outputs = {rank: [] for rank in range(self.world_size)}
-        done = {}
-        try:
-            self._collect(call_id, timeout, outputs, done)
-        except KeyboardInterrupt:
-            stuck = self._stop_stuck_ranks(done)
+        with self._lock:
+            self._check_open()
+            self._pool.wait_ready()
+            call_id = next(self._calls)
+            origin = time.perf_counter_ns()
+            self._dispatch(("run", call_id, payload, traced))
+            outputs = {rank: [] for rank in range(self.world_size)}
+            done = {}
+            try:
+                self._collect(call_id, timeout, outputs, done)
+            except KeyboardInterrupt:
+                stuck = self._stop_stuck_ranks(done)
+                _print_outputs(outputs)
+                print(f"Interrupted: {len(stuck)} rank(s) still running; the workers were replaced.", file=sys.stderr)
+                raise
+            stuck = self._stop_stuck_ranks(done) if len(done) < self.world_size else {}
             _print_outputs(outputs)
-            print(f"Interrupted: {len(stuck)} rank(s) still running; the workers were replaced.", file=sys.stderr)
-            raise
-        stuck = self._stop_stuck_ranks(done) if len(done) < self.world_size else {}
-        _print_outputs(outputs)
+            self._check_open()
 
-        failures = {rank: detail for rank, (ok, detail, _) in done.items() if not ok}
-        if failures:
-            # A failed call may leave unmatched messages in the process group: rebuild it,
-            # in the same processes when all are alive (fast), else with new ones.
+            failures = {rank: detail for rank, (ok, detail, _) in done.items() if not ok}
+            if failures:
+                # A failed call may leave unmatched messages in the process group: rebuild it,
+                # in the same processes when all are alive (fast), else with new ones.
+                if stuck:
+                    pass  # _stop_stuck_ranks has replaced every worker already
+                elif self._pool.dead_ranks():
+                    self._pool.restart()
+                else:
+                    self._pool.reinit()
+                raise RankError(failures, stuck)
             if stuck:
-                pass  # _stop_stuck_ranks already replaced every worker
-            elif self._pool.all_alive():
-                self._pool.reinit()
-            else:
-                self._pool.restart()
-            raise RankError(failures, stuck)
-        if stuck:
-            raise RankTimeout(timeout, stuck, finished=done)
-        events = [event for rank in range(self.world_size) for event in done[rank][2]]
-        results = [_deserialise(done[rank][1], rank) for rank in range(self.world_size)]
-        return results, events
+                raise RankTimeout(timeout, stuck, finished=done)
+            events = [event for rank in range(self.world_size) for event in done[rank][2]]
+            results = [_deserialise(done[rank][1], rank) for rank in range(self.world_size)]
+            return results, events, origin
+
+    def _check_open(self):
+        if self._pool.closed or self._closing:
+            raise RuntimeError("this cluster is closed; create a new parlab.Cluster.")
+
+    def _dispatch(self, message):
+        """Send ``message`` to every rank. Workers found dead (killed while idle, say, by the
+        out-of-memory killer, or lost while their process group was rebuilt) are reported
+        once, as a RankError, and every worker is replaced, so the next call works; the call
+        itself does not run."""
+        lost = self._pool.take_lost()  # workers already replaced while re-joining
+        dead = self._pool.dead_ranks()
+        unreachable = [] if lost or dead else self._pool.send_all(message)
+        found = sorted(set(dead) | set(unreachable))
+        for rank in found:
+            lost[rank] = self._pool.death_report(rank, "while idle")
+        if not lost:
+            return
+        if found:
+            self._check_open()
+            self._pool.restart()
+        lines = [report.splitlines()[-1] for report in lost.values()]
+        raise RankError(
+            lost,
+            summary="; ".join(lines) + ". The call did not run; every worker was replaced (anything the ranks "
+            "kept between calls is gone), so run it again.",
+        )
 
     def _collect(self, call_id, timeout, outputs, done):
         """Gather every rank's output and answer into ``outputs`` and ``done`` (rank ->
@@ -141,7 +195,7 @@ class Cluster:
                 rank = pool.rank_of(conn)
                 message = pool.receive(rank)
                 if message is None:
-                    done[rank] = (False, pool.death_report(rank), [])
+                    done[rank] = (False, pool.death_report(rank, "during the call"), [])
                 elif message[0] == "out":
                     outputs[rank].append(message[1:])
                 elif message[0] == "done" and message[1] == call_id:
@@ -155,7 +209,8 @@ class Cluster:
         every worker: a rank stuck in a collective cannot be freed any other way."""
         stuck = [rank for rank in range(self.world_size) if rank not in done]
         stacks = self._pool.dump_stacks(stuck)
-        self._pool.restart()
+        if not self._closing:
+            self._pool.restart()
         return stacks
 
 

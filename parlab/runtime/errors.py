@@ -6,13 +6,14 @@ class RankError(RuntimeError):
 
     ``failures`` maps rank -> the remote traceback text; ``stuck`` maps rank -> the Python
     stack of each rank that was still running when the others failed (usually blocked in a
-    collective that the failed rank never joined).
+    collective that the failed rank never joined). ``summary``, when given, is the first line
+    instead of "rank r failed: <the last line of its traceback>".
     """
 
-    def __init__(self, failures, stuck=None):
+    def __init__(self, failures, stuck=None, summary=None):
         self.failures = dict(sorted(failures.items()))
         self.stuck = dict(sorted((stuck or {}).items()))
-        super().__init__(_describe(self.failures, self.stuck))
+        super().__init__(_describe(self.failures, self.stuck, summary))
 
     @property
     def ranks(self):
@@ -49,9 +50,9 @@ def _ranks(ranks):
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def _describe(failures, stuck):
+def _describe(failures, stuck, summary=None):
     first = next(iter(failures.values())).strip().splitlines()
-    head = f"{_ranks(failures)} failed: {first[-1] if first else 'no traceback'}"
+    head = summary or f"{_ranks(failures)} failed: {first[-1] if first else 'no traceback'}"
     if stuck:
         head += (
             f"\n{_ranks(stuck)} were still running (waiting for the failed ranks?) and were "

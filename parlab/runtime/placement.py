@@ -6,16 +6,12 @@
   communicate over gloo, staging tensors through host memory.
 """
 
-import os
+import numbers
 import warnings
 from dataclasses import dataclass
 
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
-
-# Above this many ranks per core, ranks time-share the cores so much that timings mean
-# little and collectives crawl: warn, but let the learner go on.
-RANKS_PER_CORE_WARNING = 4
 
 
 @dataclass(frozen=True)
@@ -53,8 +49,9 @@ def resolve(world_size, backend="auto", device="auto", gpu_count=None, nccl_avai
     ``gpu_count`` and ``nccl_available`` default to what this machine's torch reports; tests
     pass them to check the GPU rules on any machine.
     """
-    if isinstance(world_size, bool) or not isinstance(world_size, int):
+    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral):
         raise ValueError(f"world_size must be a whole number of ranks, got {world_size!r}.")
+    world_size = int(world_size)  # a slider's or numpy's integer is as good as Python's
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}; ask for 1 or more ranks.")
     if backend not in BACKENDS:
@@ -89,13 +86,6 @@ def resolve(world_size, backend="auto", device="auto", gpu_count=None, nccl_avai
         backend = "nccl" if one_gpu_each and nccl_available else "gloo"
     placement = Placement(world_size, backend, device_type, gpu_count if device_type == "cuda" else 0)
 
-    cores = os.cpu_count() or 1
-    if world_size > RANKS_PER_CORE_WARNING * cores:
-        warnings.warn(
-            f"world_size={world_size} on {cores} CPU core(s): ranks will time-share the cores, "
-            "so runs are slow and timings meaningless; fewer ranks give the same numbers faster.",
-            stacklevel=3,
-        )
     if placement.host_staging:
         reason = " (this torch build has no nccl)" if not nccl_available else ""
         warnings.warn(f"{placement.describe()}{reason}.", stacklevel=3)

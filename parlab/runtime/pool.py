@@ -1,5 +1,5 @@
 """The worker processes behind a Cluster: start them, talk to them, dump their stacks,
-replace them, and make sure none outlives its parent.
+replace them, and make sure none outlives its parent and none leaves a file behind.
 
 Each worker is ``python -m parlab.runtime.worker`` in its own session (so a Ctrl-C in the
 parent's terminal reaches only the parent), with
@@ -9,12 +9,16 @@ parent's terminal reaches only the parent), with
   the worker exits (see ``worker._watch_parent``),
 - a log file for anything written at the C level, and a stack file that faulthandler fills
   on SIGUSR1, which is how a stuck rank tells us where it is stuck.
+
+Both files are anonymous: the parent creates them without a name (or unlinks the name at
+once), hands the worker their file descriptors and reads them through its own. Whatever kills
+the parent or the workers, SIGKILL included, the kernel frees the files with the last
+descriptor and nothing is left on disk.
 """
 
 import json
 import os
 import pickle
-import shutil
 import signal
 import socket
 import subprocess
@@ -23,22 +27,26 @@ import tempfile
 import time
 from multiprocessing.connection import Connection, wait
 
-import parlab
-
 STACK_DUMP_WAIT_S = 2.0
 EXIT_WAIT_S = 5.0
+# The folder that holds the parlab package, for workers started from a parent that found it
+# through sys.path rather than an installation.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class WorkerPool:
-    def __init__(self, placement, start_timeout):
+    def __init__(self, placement, start_timeout, progress=False):
         from torch.distributed import TCPStore
 
         self.placement = placement
         self.start_timeout = start_timeout
+        self.progress = progress
         self.closed = False
+        self._interrupted = False
         self._generation = 0
-        self._procs, self._conns, self._ready = [], [], set()
-        self._tmpdir = tempfile.mkdtemp(prefix="parlab-")
+        self._reinitialising = False
+        self._procs, self._conns, self._files, self._ready = [], [], [], set()
+        self._lost = {}
         # The rendezvous store lives in the parent on a port the OS picks, so clusters never
         # collide; each generation of workers uses its own key prefix in it.
         self._store = TCPStore("127.0.0.1", 0, placement.world_size, is_master=True, wait_for_workers=False)
@@ -47,55 +55,105 @@ class WorkerPool:
     def pids(self):
         return [proc.pid for proc in self._procs]
 
+    @property
+    def ranks(self):
+        return range(self.placement.world_size)
+
     def start(self):
         """Start one generation of workers (does not wait for them to join)."""
         self._generation += 1
-        self._procs, self._conns, self._ready = [], [], set()
-        # Fixed for the life of these processes, whatever reinit() does to the generation.
-        self._logs = [self._path(rank, "log") for rank in range(self.placement.world_size)]
-        self._stacks = [self._path(rank, "stack") for rank in range(self.placement.world_size)]
-        for rank in range(self.placement.world_size):
+        self._reinitialising = False
+        self._procs, self._conns, self._files, self._ready = [], [], [], set()
+        for rank in self.ranks:
             parent_end, child_end = socket.socketpair()
-            with open(self._logs[rank], "wb") as log:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "parlab.runtime.worker"],
-                    stdin=subprocess.PIPE,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    pass_fds=(child_end.fileno(),),
-                    env=self._environment(rank, child_end.fileno()),
-                    start_new_session=True,
-                )
+            log, stack = tempfile.TemporaryFile(prefix="parlab-"), tempfile.TemporaryFile(prefix="parlab-")
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "parlab.runtime.worker"],
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                pass_fds=(child_end.fileno(), stack.fileno()),
+                env=self._environment(rank, child_end.fileno(), stack.fileno()),
+                start_new_session=True,
+            )
             child_end.close()
             self._procs.append(proc)
             self._conns.append(Connection(parent_end.detach()))
+            self._files.append((log, stack))
 
     def wait_ready(self):
-        """Block until every worker has joined the process group."""
+        """Block until every worker has joined the process group, with a progress bar when
+        the start is expected to be slow. A worker lost while re-joining in the same process
+        (``reinit``) is noted in ``take_lost()`` and every worker replaced; one lost while
+        starting afresh means the cluster cannot start: the pool shuts down."""
+        bar = _progress_bar(self.placement.world_size, len(self._ready)) if self.progress else None
+        try:
+            self._wait_ready(bar)
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _wait_ready(self, bar):
         deadline = time.monotonic() + self.start_timeout
         while len(self._ready) < self.placement.world_size:
+            when = "while rebuilding its process group" if self._reinitialising else "while starting"
             waiting = [c for r, c in enumerate(self._conns) if r not in self._ready]
             if not wait(waiting, max(0.0, deadline - time.monotonic())):
-                self._give_up(
-                    f"ranks {sorted(set(range(self.placement.world_size)) - self._ready)} did "
-                    f"not join the process group within {self.start_timeout:g} s"
-                )
+                late = sorted(set(self.ranks) - self._ready)
+                self._not_joined({r: (f"rank {r} did not join the process group within {self.start_timeout:g} s", "")
+                                  for r in late})
             for conn in wait(waiting, 0):
                 rank = self._conns.index(conn)
                 message = self.receive(rank)
                 if message is None:
-                    self._give_up(self.death_report(rank))
-                elif message[0] == "failed":
-                    self._give_up(f"rank {rank} could not join the process group:\n{message[2]}")
+                    self._not_joined({rank: (self.death_line(rank, when), self.last_output(rank))})
                 elif message[0] == "ready":
                     self._ready.add(rank)
+                    if bar is not None:
+                        bar.update(1)
+                    continue
+                else:
+                    error = message[2].strip().splitlines()[-1]
+                    summary = f"rank {rank} could not join the process group {when}: {error}"
+                    self._not_joined({rank: (summary, message[2])})
+                # Every worker was replaced: wait for the new ones.
+                if bar is not None:
+                    bar.reset()
+                deadline = time.monotonic() + self.start_timeout
+                break
+
+    def _not_joined(self, reports):
+        """Ranks that did not join (rank -> (summary, details)): workers that were re-joining
+        in the same processes are noted for ``take_lost`` and all replaced; fresh ones that
+        cannot start mean the cluster cannot start."""
+        if not self._reinitialising:
+            self._give_up("; ".join(summary for summary, _ in reports.values()) + ".\n" +
+                          "\n".join(details for _, details in reports.values() if details))
+        for rank, (summary, details) in reports.items():
+            self._lost[rank] = f"{details}\n{summary}".strip()
+        self.restart()
+
+    def take_lost(self):
+        """The workers lost since the last call (rank -> report whose last line says how),
+        forgotten once taken."""
+        lost, self._lost = self._lost, {}
+        return lost
 
     def _give_up(self, reason):
+        if self._interrupted:
+            reason = "close() was called (from another thread) while the workers started"
         self.shutdown()
         raise RuntimeError(f"the cluster could not start: {reason}")
 
-    def send(self, rank, message):
-        self._conns[rank].send_bytes(pickle.dumps(message))
+    def send_all(self, message):
+        """Send ``message`` to every rank; return the ranks it could not reach (dead workers)."""
+        data, unreachable = pickle.dumps(message), []
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send_bytes(data)
+            except OSError:
+                unreachable.append(rank)
+        return unreachable
 
     def receive(self, rank):
         """The next message from ``rank``, or None if the worker is gone."""
@@ -110,61 +168,90 @@ class WorkerPool:
     def rank_of(self, conn):
         return self._conns.index(conn)
 
-    def all_alive(self):
-        return all(proc.poll() is None for proc in self._procs)
+    def dead_ranks(self):
+        return [rank for rank, proc in enumerate(self._procs) if proc.poll() is not None]
+
+    def state(self):
+        """In words: "closed", "restarting" (workers not all joined yet), "running", or which
+        workers are dead (found out, reported and replaced by the next call)."""
+        if self.closed:
+            return "closed"
+        dead = self.dead_ranks()
+        if dead:
+            lines = "; ".join(self.death_line(rank, wait_s=0) for rank in dead)
+            return f"{lines}: the next call reports it and replaces the workers"
+        return "running" if len(self._ready) == self.placement.world_size else "restarting"
 
     def reinit(self):
         """Rebuild the process group in the same processes (after a failed call that left
         every rank responsive): cheap, and drops any message still in flight."""
         self._generation += 1
         self._ready = set()
-        for rank in range(self.placement.world_size):
-            self.send(rank, ("reinit", self._generation))
+        self._reinitialising = True
+        if self.send_all(("reinit", self._generation)):
+            self.restart()
 
     def restart(self):
         """Kill every worker and start a new generation; the next call waits for it."""
         self._kill()
         self.start()
 
+    def interrupt(self):
+        """Kill the workers and nothing else, safe while another thread talks to them: that
+        thread sees them die and ends its call; ``shutdown`` then tidies up."""
+        self._interrupted = True
+        for proc in list(self._procs):
+            _signal(proc, signal.SIGKILL, group=True)
+
     def dump_stacks(self, ranks):
         """Ask the given ranks for their Python stacks (faulthandler on SIGUSR1), all at once;
         a dump is complete when its file has stopped growing."""
-        offsets = {rank: _size(self._stacks[rank]) for rank in ranks}
+        stack_files = {rank: self._files[rank][1] for rank in ranks}
+        offsets = {rank: os.fstat(f.fileno()).st_size for rank, f in stack_files.items()}
         for rank in ranks:
             _signal(self._procs[rank], signal.SIGUSR1)
         stacks = {rank: "" for rank in ranks}
         deadline = time.monotonic() + STACK_DUMP_WAIT_S
         while time.monotonic() < deadline:
             time.sleep(0.05)
-            latest = {rank: _read_from(self._stacks[rank], offsets[rank]) for rank in ranks}
+            latest = {rank: _read_from(stack_files[rank], offsets[rank]) for rank in ranks}
             settled = all(latest[rank] and latest[rank] == stacks[rank] for rank in ranks)
             stacks = latest
             if settled:
                 break
         return {rank: _readable_stack(text) for rank, text in stacks.items()}
 
-    def death_report(self, rank):
-        proc = self._procs[rank]
+    def death_line(self, rank, when=None, wait_s=1.0):
+        """One line on how ``rank``'s worker ended: "rank 2's worker was killed by SIGKILL
+        while idle (out of memory?)"; ``when`` says in what it was busy."""
         try:
-            code = proc.wait(timeout=1.0)
+            code = self._procs[rank].wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             code = None
-        log = _read_from(self._logs[rank], 0)[-3000:]
-        how = "closed its connection" if code is None else f"exited with code {code}"
-        if code is not None and code < 0:
-            how += f" ({signal.Signals(-code).name})"
-        return f"rank {rank}'s worker process {how} during the call.\nIts last output:\n{log or '(none)'}"
+        if code is None:
+            how, hint = "closed its connection", None
+        elif code >= 0:
+            how, hint = f"exited with code {code}", None
+        else:
+            how = f"was killed by {signal.Signals(-code).name}"
+            # The kernel's out-of-memory killer ends a process with SIGKILL.
+            hint = "(out of memory?)" if -code == signal.SIGKILL else None
+        return " ".join(filter(None, [f"rank {rank}'s worker", how, when, hint]))
+
+    def last_output(self, rank):
+        log = _read_from(self._files[rank][0], 0)[-3000:].rstrip()
+        return f"Last output of rank {rank}'s worker:\n{log or '(none)'}"
+
+    def death_report(self, rank, when):
+        """What a dead worker last wrote, then ``death_line`` (last, as in a traceback)."""
+        return f"{self.last_output(rank)}\n{self.death_line(rank, when)}"
 
     def shutdown(self):
         """Stop the workers: ask politely, then kill. Idempotent."""
         if self.closed:
             return
         self.closed = True
-        for rank in range(len(self._procs)):
-            try:
-                self.send(rank, ("exit",))
-            except OSError:
-                pass
+        self.send_all(("exit",))
         deadline = time.monotonic() + EXIT_WAIT_S
         for proc in self._procs:
             try:
@@ -172,24 +259,21 @@ class WorkerPool:
             except subprocess.TimeoutExpired:
                 pass
         self._kill()
-        shutil.rmtree(self._tmpdir, ignore_errors=True)
 
     def _kill(self):
         for proc in self._procs:
             _signal(proc, signal.SIGKILL, group=True)
-        for proc, conn in zip(self._procs, self._conns):
+        for proc, conn, files in zip(self._procs, self._conns, self._files):
             proc.wait()
             conn.close()
             if proc.stdin:
                 proc.stdin.close()
+            for f in files:
+                f.close()
 
-    def _path(self, rank, kind):
-        return os.path.join(self._tmpdir, f"gen{self._generation}-rank{rank}.{kind}")
-
-    def _environment(self, rank, conn_fd):
-        package_root = os.path.dirname(os.path.dirname(os.path.abspath(parlab.__file__)))
+    def _environment(self, rank, conn_fd, stack_fd):
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT, env.get("PYTHONPATH")]))
         env["PARLAB_WORKER"] = json.dumps(
             {
                 "rank": rank,
@@ -200,12 +284,18 @@ class WorkerPool:
                 "store_port": self._store.port,
                 "generation": self._generation,
                 "conn_fd": conn_fd,
+                "stack_fd": stack_fd,
                 "parent_pid": os.getpid(),
-                "stack_file": self._stacks[rank],
                 "sys_path": [p for p in sys.path if p],
             }
         )
         return env
+
+
+def _progress_bar(world_size, joined):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=world_size, initial=joined, desc="ranks joined", unit="rank")
 
 
 def _signal(proc, signum, group=False):
@@ -220,20 +310,11 @@ def _signal(proc, signum, group=False):
         pass
 
 
-def _size(path):
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
-
-
-def _read_from(path, offset):
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return f.read().decode(errors="replace")
-    except OSError:
-        return ""
+def _read_from(file, offset):
+    """The text of an open file from ``offset`` on, read without moving the file's position
+    (the worker writes through a descriptor that shares it)."""
+    size = os.fstat(file.fileno()).st_size
+    return os.pread(file.fileno(), max(0, size - offset), offset).decode(errors="replace")
 
 
 def _readable_stack(text):

@@ -33,8 +33,8 @@ def main():
         if path not in sys.path:
             sys.path.insert(0, path)
     _watch_parent(config["parent_pid"])
-    stack_file = open(config["stack_file"], "w")
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    # The parent holds this file too and reads the stacks from it (see parlab.runtime.pool).
+    faulthandler.register(signal.SIGUSR1, file=config["stack_fd"], all_threads=True)
 
     conn = Connection(config["conn_fd"])
     rank = config["rank"]
@@ -144,9 +144,10 @@ def _init_process_group(config, generation):
     import torch.distributed as dist
 
     from parlab.runtime.context import set_device
+    from parlab.runtime.placement import Placement
 
     rank, world_size = config["rank"], config["world_size"]
-    device = "cpu" if config["device_type"] == "cpu" else f"cuda:{rank % config['gpu_count']}"
+    device = Placement(world_size, config["backend"], config["device_type"], config["gpu_count"]).device(rank)
     set_device(device)
     if config["device_type"] == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Ranks share the machine's cores; more intra-op threads than cores only thrash.

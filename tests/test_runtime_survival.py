@@ -1,0 +1,185 @@
+"""The runtime survives what learners do to it: workers killed behind its back (while idle,
+while starting, while their process group is rebuilt), calls from two threads at once, and
+close() from another thread. Each test starts its own small cluster, since it breaks it."""
+
+import os
+import signal
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from test_runtime import all_reduce_ranks, is_alive
+
+import parlab
+from parlab.collectives import ring_allreduce
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def kill_and_wait(pid, signum):
+    os.kill(pid, signum)
+    deadline = time.monotonic() + 10
+    while is_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not is_alive(pid)
+
+
+@pytest.mark.parametrize("call", ["run", "trace"])
+def test_a_worker_killed_while_idle_is_reported_once_then_replaced(call):
+    with parlab.Cluster(world_size=2, timeout=60) as cluster:
+        victim = cluster.pids[1]
+        kill_and_wait(victim, signal.SIGKILL)
+        assert "rank 1's worker was killed by SIGKILL" in repr(cluster)
+
+        with pytest.raises(parlab.RankError) as info:
+            getattr(cluster, call)(all_reduce_ranks)
+        assert info.value.ranks == [1]
+        assert str(info.value).startswith("rank 1's worker was killed by SIGKILL while idle (out of memory?).")
+        assert "run it again" in str(info.value).splitlines()[0]
+        assert victim not in cluster.pids
+
+        result = getattr(cluster, call)(all_reduce_ranks)
+        assert (result if call == "run" else result.results) == [1.0, 1.0]
+        assert repr(cluster).endswith("; running>")
+
+
+def test_every_dead_worker_is_named_with_its_signal():
+    with parlab.Cluster(world_size=3, timeout=60) as cluster:
+        kill_and_wait(cluster.pids[0], signal.SIGKILL)
+        kill_and_wait(cluster.pids[2], signal.SIGTERM)
+        with pytest.raises(parlab.RankError) as info:
+            cluster.run(all_reduce_ranks)
+        assert info.value.ranks == [0, 2]
+        assert str(info.value).splitlines()[0].startswith(
+            "rank 0's worker was killed by SIGKILL while idle (out of memory?); "
+            "rank 2's worker was killed by SIGTERM while idle."
+        )
+        assert cluster.run(all_reduce_ranks) == [3.0] * 3
+
+
+def test_close_with_dead_workers_leaves_no_process():
+    cluster = parlab.Cluster(world_size=2, timeout=60)
+    pids = cluster.pids
+    kill_and_wait(pids[0], signal.SIGKILL)
+    cluster.close()
+    assert not any(is_alive(pid) for pid in pids)
+    assert cluster.closed and repr(cluster).endswith("; closed>")
+
+
+def _worker_processes():
+    """Live worker processes that are children of this process."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/status") as status:
+                fields = dict(line.split(":\t", 1) for line in status.read().splitlines() if ":\t" in line)
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                command = cmdline.read()
+        except (FileNotFoundError, NotADirectoryError, ProcessLookupError):
+            continue
+        if fields.get("PPid") == str(os.getpid()) and b"parlab.runtime.worker" in command:
+            if not fields.get("State", "").startswith("Z"):
+                found.add(int(entry))
+    return found
+
+
+def test_a_worker_dying_while_starting_is_reported_and_the_others_stopped(tmp_path, monkeypatch):
+    # Python imports sitecustomize at start-up: here it kills rank 1 before it can join.
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
+        import json, os, signal
+        if json.loads(os.environ.get("PARLAB_WORKER", "{}")).get("rank") == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    before = _worker_processes()
+    with pytest.raises(RuntimeError, match="could not start: .*rank 1's worker was killed by SIGKILL while starting"):
+        parlab.Cluster(world_size=2, start_timeout=60)
+    assert _worker_processes() - before == set()
+
+
+def test_a_worker_dying_while_its_process_group_is_rebuilt_is_reported_then_replaced():
+    def fail_and_die_in_the_repair():
+        if dist.get_rank() == 1:
+            # After a failure on every rank, the workers rebuild their group in place, and
+            # the first thing that does is destroy the old one.
+            dist.destroy_process_group = lambda: os._exit(7)
+        raise RuntimeError("planned failure")
+
+    with parlab.Cluster(world_size=2, timeout=60) as cluster:
+        with pytest.raises(parlab.RankError, match="planned failure"):
+            cluster.run(fail_and_die_in_the_repair)
+        with pytest.raises(parlab.RankError) as info:
+            cluster.run(all_reduce_ranks)
+        assert info.value.ranks == [1]
+        assert str(info.value).startswith("rank 1's worker exited with code 7 while rebuilding its process group.")
+        assert cluster.run(all_reduce_ranks) == [1.0, 1.0]
+
+
+def slow_sum(offset):
+    time.sleep(0.02)
+    tensor = torch.tensor([float(dist.get_rank() + offset)])
+    dist.all_reduce(tensor)
+    return tensor.item()
+
+
+def ring_sum(offset):
+    tensor = torch.arange(4.0) + dist.get_rank() + offset
+    ring_allreduce(tensor, check=False)  # no call check: the traffic is the ring's alone
+    return tensor.tolist()
+
+
+def test_calls_from_two_threads_take_turns_and_each_gets_its_own_results():
+    # A widget's callback calls the cluster from another thread while a cell's call runs.
+    offsets = {"run": [10 * i for i in range(8)], "trace": [1000 + 10 * i for i in range(8)]}
+    got, errors = {}, []
+
+    def caller(kind):
+        try:
+            if kind == "run":
+                got[kind] = [cluster.run(slow_sum, offset) for offset in offsets[kind]]
+            else:
+                got[kind] = [cluster.trace(ring_sum, offset) for offset in offsets[kind]]
+        except BaseException as exc:
+            errors.append(exc)
+
+    with parlab.Cluster(world_size=2, timeout=60) as cluster:
+        threads = [threading.Thread(target=caller, args=(kind,)) for kind in offsets]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(90)
+        assert not errors, errors
+        assert got["run"] == [[2.0 * offset + 1] * 2 for offset in offsets["run"]]
+        for offset, timeline in zip(offsets["trace"], got["trace"]):
+            expected = [2 * (offset + i) + 1.0 for i in range(4)]
+            assert timeline.results == [expected, expected]
+            # The ring on 2 ranks: 2 (N - 1) = 2 steps of one half of 4 floats each.
+            assert timeline.bytes_sent() == [16, 16]
+        assert cluster.run(all_reduce_ranks) == [1.0, 1.0]
+
+
+def test_close_from_another_thread_ends_the_running_call():
+    cluster = parlab.Cluster(world_size=2, timeout=60)
+    pids, outcome = cluster.pids, []
+
+    def call():
+        try:
+            cluster.run(time.sleep, 30)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    time.sleep(1.0)
+    cluster.close()
+    thread.join(20)  # the call would sleep for 30 s if close() waited for it
+    assert not thread.is_alive()
+    assert [type(exc) for exc in outcome] == [RuntimeError]
+    assert "this cluster is closed" in str(outcome[0])
+    assert not any(is_alive(pid) for pid in pids)
+    assert cluster.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        cluster.run(all_reduce_ranks)
