@@ -4,20 +4,42 @@ torch.distributed, for learning.
     import parlab
     with parlab.Cluster(world_size=4) as cluster:
         results = cluster.run(fn)
+
+Every module of the package is reachable from here (``parlab.collectives``, ``parlab.zero``,
+...), imported on first use: ``import parlab`` itself stays quick and does not load torch.
 """
 
-from parlab import trace
+import functools
+import importlib
+
 from parlab.runtime import Cluster, RankError, RankTimeout, device, launch
 
 __version__ = "0.1.0"
-__all__ = ["Cluster", "RankError", "RankTimeout", "check", "device", "launch", "trace"]
+__all__ = ["Cluster", "RankError", "RankTimeout", "check", "device", "launch"]
+
+# The plumbing of the `parlab` command and of pytest; every other module is for learners.
+_PLUMBING = {"__main__", "cli", "grading_plugin"}
+
+
+@functools.cache
+def _submodules():
+    """The package's public modules, found on disk so that a new one needs no list here."""
+    import pkgutil
+
+    return frozenset(module.name for module in pkgutil.iter_modules(__path__) if module.name not in _PLUMBING)
 
 
 def __getattr__(name):
-    # parlab.check is imported on first use: importing parlab.grade here would make
-    # `python -m parlab.grade` find its own module already imported (runpy warns).
+    # Imported on first use: `import parlab` stays quick, and `python -m parlab.grade` does
+    # not find its own module imported already (runpy warns).
+    if name in _submodules():
+        return importlib.import_module(f"parlab.{name}")
     if name == "check":
         from parlab.grade import check
 
         return check
     raise AttributeError(f"module 'parlab' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__) | _submodules())
