@@ -159,6 +159,28 @@ def test_alpha_beta_widget_updates_the_table_and_the_figure():
 
 
 @pytest.mark.timeout(60)
+def test_a_measured_alpha_or_beta_outside_the_sliders_widens_them():
+    controls = sliders(alpha_beta_widget(N=100, alpha=0.5, beta=1e-13))  # once clamped to 64, 1e-2 and 1e-12
+    assert (controls["N ranks"].value, controls["alpha (s)"].value, controls["beta (s/B)"].value) == (100, 0.5, 1e-13)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: ring_widget(N=9), "N is the number of ranks in the ring: it must be a whole number from 2 to 8, not 9"),
+    (lambda: ring_widget(N=2.5), "whole number from 2 to 8, not 2.5"),
+    (lambda: plot_alpha_beta(4, 1e-5, 0, [1024]), "beta is the seconds per byte .* above 0, not 0"),
+    (lambda: plot_alpha_beta(4, -1e-5, 1e-9, [1024]), "alpha is the latency .* at least 0, not -1e-05"),
+    (lambda: plot_alpha_beta(4, 1e-5, 1e-9, []), "give at least one, each above 0"),
+    (lambda: plot_alpha_beta(1, 1e-5, 1e-9, [1024]), "N is the number of ranks: .* at least 2, not 1"),
+    (lambda: prediction_table(4, 1e-5, 1e-9, -1), "D is the message size in bytes: .* at least 0, not -1"),
+    (lambda: prediction_table(4, 1e-5, float("nan"), 1024), "not nan"),
+    (lambda: alpha_beta_widget(alpha=0), "on a log-scale slider: it must be a number above 0, not 0"),
+])
+def test_bad_input_gets_a_sentence_saying_what_to_change(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+@pytest.mark.timeout(60)
 def test_the_widgets_module_imports_without_ipywidgets():
     code = "import sys, parlab.widgets.collectives; print('ipywidgets' in sys.modules)"
     finished = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)

@@ -130,7 +130,7 @@ def test_plot_buckets_draws_one_bar_per_parameter_and_per_bucket_in_the_bucket_c
 @pytest.mark.timeout(30)
 def test_bucket_widget_redraws_and_updates_its_readout_on_a_slider_move():
     widget = bucket_widget(three_layers(), ALPHA, BETA, backward_seconds=0.12, bucket_cap_mb=1)
-    slider, readout, image = widget.children
+    slider, readout, feedback, image = widget.children
     assert readout.value.startswith("<b>1</b> bucket;")
     assert "exposed communication <b>1.12 ms</b>" in readout.value  # alpha + 120 bytes beta
     picture = image.value
@@ -138,6 +138,25 @@ def test_bucket_widget_redraws_and_updates_its_readout_on_a_slider_move():
     assert readout.value.startswith("<b>4</b> buckets")
     assert "exposed communication <b>1.06 ms</b>" in readout.value
     assert image.value != picture and image.value[:4] == b"\x89PNG"
+    assert slider.description == "bucket_cap_mb (MiB)" and feedback.children[0].value == ""
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: predict_overlap([100], [0.1], -1, BETA), "alpha is the latency .* at least 0, not -1"),
+    (lambda: predict_overlap([100], [-0.1], ALPHA, BETA), "a ready time is seconds .* at least 0, not -0.1"),
+    (lambda: bucket_overlap(three_layers(), 1, ALPHA, BETA, backward_seconds=0), "backward_seconds .* above 0, not 0"),
+    (lambda: bucket_overlap(three_layers(), 1, ALPHA, BETA, parameter_ready=[0.1]),
+     "one time per trainable parameter of the model \\(4\\), got 1"),
+    (lambda: bucket_overlap("model", 1, ALPHA, BETA, 0.1), "as a torch.nn.Module .* not str"),
+    (lambda: bucket_widget(three_layers(), bucket_cap_mb=0), "bucket_cap_mb .* log-scale slider: .* above 0, not 0"),
+    (lambda: time_single_process_step(build_small_model, small_batch, repeats=0),
+     "repeats is the number of timed steps: it must be a whole number of at least 1, not 0"),
+    (lambda: measure_bucket_sweep(None, build_small_model, small_batch, []), "give at least one"),
+    (lambda: measure_bucket_sweep(None, build_small_model, small_batch, [1], steps=0), "steps .* at least 1, not 0"),
+])
+def test_bad_input_gets_a_sentence_saying_what_to_change(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
 
 
 # --- measurements -----------------------------------------------------------------------------

@@ -56,6 +56,23 @@ def test_parse_psi():
         parse_psi("seven")
     with pytest.raises(ValueError, match="at least 0"):
         parse_psi("-1B")
+    for endless in ("nan", "inf", "1e400"):  # all three were taken as numbers of parameters
+        with pytest.raises(ValueError, match=f"finite number of at least 0, not '{endless}'"):
+            parse_psi(endless)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: memory_bars(7.5e9, 0), "n_d is the number of data-parallel ranks N_d: .* at least 1, not 0"),
+    (lambda: memory_bars(7.5e9, 64, device_gb=0), "device_gb is the memory of one device in GB: .* above 0, not 0"),
+    (lambda: memory_bars(7.5e9, 64, k=-1), "k is the optimizer's bytes per parameter K: .* at least 0, not -1"),
+    (lambda: memory_readout(7.5e9, 2.5), "whole number of at least 1, not 2.5"),
+    (lambda: memory_widget(n_d=2000), "N_d: it must be a whole number from 1 to 1024, not 2000"),
+    (lambda: memory_widget(psi="lots"), "like 7.5B, 125M or 1e9, not 'lots'"),
+    (lambda: memory_widget(device_gb=0), "device_gb is the memory of one device in GB: .* from 1 to 10000, not 0"),
+])
+def test_bad_input_gets_a_sentence_saying_what_to_change(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
 
 
 def test_bar_heights_are_the_papers_formula_in_gigabytes():
@@ -121,7 +138,8 @@ def test_memory_readout_table():
 def test_widget_answers_its_controls():
     widget = memory_widget(psi="7.5B", n_d=64)
     (preset, psi_text), (dtype, device), (k, ranks) = (row.children for row in widget.children[:3])
-    status, image, readout = widget.children[-3:]
+    feedback, image, readout = widget.children[-3:]
+    status = feedback.children[0]
     assert "<td>31.4</td>" in readout.value and image.value[:4] == b"\x89PNG"
     picture = image.value
     ranks.value = 1  # plain data parallelism: every stage holds everything
@@ -133,7 +151,9 @@ def test_widget_answers_its_controls():
     device.value = 20
     assert readout.value.count(">no<") == 4
     psi_text.value = "lots"
-    assert "like 7.5B" in status.value
+    assert "like 7.5B" in status.value and "parlab-error" in status.value
+    psi_text.value = "7.5B"  # a good value again: the error goes
+    assert status.value == "" and readout.value.count(">120<") == 4  # 7.5B x 16 bytes on one rank
     assert len(widget.children) == 7  # no cluster, no button
 
 
@@ -175,9 +195,12 @@ def test_the_widget_button_measures_and_overlays(cluster2, monkeypatch):
     monkeypatch.setattr(module, "memory_bars", lambda *args: drawn.append(args[7]) or draw(*args))
     widget = memory_widget(cluster2)
     (preset, psi_text), (dtype, _), (k, ranks) = (row.children for row in widget.children[:3])
-    button = widget.children[4]
+    button, bar = widget.children[4], widget.children[5].children[1]
     assert button.description == "measure on the cluster" and drawn == [None]
+    progress = []  # the bar's value after each step
+    bar.observe(lambda change: progress.append(change["new"]), names="value")
     button.click()
+    assert progress == [1, 2, 3, 4] and bar.max == 4 and bar.layout.display == "none"  # one step per stage
     assert (psi_text.value, ranks.value, dtype.value, k.value) == (str(SMALL_PSI), 2, "fp32", 8)
     assert sorted(drawn[-1]) == list(STAGES)  # measured bars beside the predicted ones
     assert drawn[-1][3].params == model_state_bytes(SMALL_PSI, 3, 2, *FP32_ADAM).params

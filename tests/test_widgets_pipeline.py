@@ -2,6 +2,7 @@
 simulator and hand-computed values, impossible settings shown as messages, the widget
 answering its controls, and a schedule measured on four real ranks."""
 
+import html
 import struct
 import sys
 
@@ -40,6 +41,20 @@ def test_stage_times_divide_by_v_and_split_the_backward_only_for_zb_h1():
     assert stage_times("gpipe", 1, 2.0, 0.5) == (1.0, 2.0, 0.0)  # one B: the whole backward
     with pytest.raises(ValueError, match="below t_B / t_F = 2"):
         stage_times("zb_h1", 1, 2.0, 2.0)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: stage_times("interleaved_1f1b", 0), "v is the number of chunks per rank: .* at least 1, not 0"),
+    (lambda: stage_times("1f1b", t_f=0), "t_f is the seconds of one forward: .* above 0, not 0"),
+    (lambda: schedule_widget(name="2f2b"), "one of naive, gpipe, .*, not '2f2b'"),
+    (lambda: schedule_widget(K=9), "K is the number of pipeline ranks, on a slider: .* from 1 to 8, not 9"),
+    (lambda: schedule_widget(M=0), "M is the number of micro-batches, on a slider: .* from 1 to 32, not 0"),
+    (lambda: schedule_widget(tb_over_tf=8), "t_B / t_F, on a slider: .* from 0.5 to 4, not 8"),
+    (lambda: measure_schedule(None, one_f_one_b(2, 2), -0.01, 0.02), "t_f is the seconds .* at least 0, not -0.01"),
+])
+def test_bad_input_gets_a_sentence_saying_what_to_change(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
 
 
 def test_1f1b_readouts_for_4_ranks_and_8_microbatches():
@@ -86,7 +101,7 @@ def test_impossible_settings_show_the_message_instead_of_a_chart(name, K, M, v, 
     assert set(readouts) == {"error"} and message in readouts["error"]
     assert message in ax.get_title().replace("\n", " ")
     assert not ax.axison
-    assert message in readout_html(readouts)
+    assert html.escape(message) in readout_html(readouts)  # "M = 2 < K = 4" escaped in HTML
 
 
 def test_the_chart_labels_blocks_and_measures_time_in_t_F():
@@ -115,7 +130,9 @@ def controls(box):
 
 
 def html_of(widget):
-    return [child.value for child in widget.children if type(child).__name__ == "HTML"]
+    """The widget's feedback message and its readout."""
+    feedback, readout = widget.children[-3:-1]
+    return [feedback.children[0].value, readout.value]
 
 
 def png_height(data):
@@ -134,7 +151,7 @@ def test_the_widget_redraws_when_its_controls_change():
     assert not found["v chunks"].disabled and "11.1%" in html_of(widget)[1]  # v = 2: 1 / 9
     found["schedule"].value = "1f1b"
     found["M"].value = 1
-    assert "M >= K" in html_of(widget)[1]
+    assert "M &gt;= K" in html_of(widget)[1]
     found["schedule"].value = "naive"
     assert found["M"].disabled and "50.0%" in html_of(widget)[1]  # one micro-batch: (K - 1) / K
 

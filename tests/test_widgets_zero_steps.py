@@ -89,8 +89,16 @@ def test_learner_errors():
         zero_step_holdings(1, 4)
     with pytest.raises(ValueError, match="at least 1"):
         zero_step_holdings(2, 0, n_d=0)
-    with pytest.raises(ValueError, match="1 to 8 ranks"):
+    with pytest.raises(ValueError, match="ranks the step-through draws: it must be a whole number from 1 to 8, not 9"):
         plot_zero_step(2, 0, n_d=9)
+    with pytest.raises(ValueError, match="ZeRO stage 0, 1, 2 or 3, got 5"):
+        plot_zero_steps(5)  # was a KeyError
+    with pytest.raises(ValueError, match="whole number from 1 to 8, not 2.5"):
+        plot_zero_steps(2, n_d=2.5)
+    with pytest.raises(ValueError, match="ZeRO stage 0, 1, 2 or 3, got '2'"):
+        zero_step_widget(stage="2")  # was a TraitError of the dropdown
+    with pytest.raises(ValueError, match="not 9"):
+        zero_step_widget(n_d=9)
 
 
 @pytest.mark.timeout(60)
@@ -156,7 +164,7 @@ def test_plot_zero_steps_draws_every_phase():
 @pytest.mark.timeout(60)
 def test_the_widget_answers_its_controls():
     widget = zero_step_widget(n_d=2)
-    (stage, phase), image = widget.children[0].children, widget.children[1]
+    (stage, phase), image = widget.children[0].children, widget.children[-1]
     assert (stage.value, phase.value, phase.max) == (2, 1, 4)
     assert image.value[:4] == b"\x89PNG"
     picture = image.value

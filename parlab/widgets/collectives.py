@@ -7,10 +7,9 @@ alpha-beta model of every all-reduce algorithm with measured times laid over it.
     alpha_beta_widget(measured, N, alpha, beta)   sliders for N, alpha, beta and a size
 """
 
-import io
-
 from parlab.alpha_beta import ALLREDUCE_ALGORITHMS, cost_model
 from parlab.collectives import ring_contributions, ring_steps
+from parlab.widgets._common import FIT, Feedback, check_number, import_ipywidgets, log_slider, png, show_static
 
 # Ring and butterfly share their bandwidth term: the butterfly is dotted so the ring shows through.
 ALGORITHM_STYLES = {
@@ -23,6 +22,7 @@ ALGORITHM_LABELS = {"naive": "naive (one root)", "ring": "ring", "butterfly": "b
                     "tree": "tree (reduce + broadcast)"}
 ACTION_COLOURS = {"reduce": "tab:red", "copy": "tab:green"}
 MAX_RANKS = 8  # the ring step-through stays readable up to 8 rows of 8 chunks
+SIZES = [2.0**k for k in range(6, 31)]  # the message sizes D of the alpha-beta widget: 64 B to 1 GiB
 
 
 def plot_ring_step(N, step, ax=None):
@@ -90,24 +90,29 @@ def _ring_figsize(N):
 
 def ring_widget(N=4):
     """Step through ring all-reduce: sliders for the number of ranks N (2..8) and the step
-    (0..2 (N - 1)) redraw ``plot_ring_step``. Returns an ipywidgets VBox."""
-    import ipywidgets as widgets
-
-    ranks = widgets.IntSlider(N, min=2, max=MAX_RANKS, description="N ranks")
-    step = widgets.IntSlider(0, min=0, max=2 * (N - 1), description="step")
-    image = widgets.Image(format="png")
+    (0..2 (N - 1)) redraw ``plot_ring_step``. Displays a static picture of step 0 (kept by a
+    saved notebook) and returns an ipywidgets VBox; without ipywidgets, warns and returns the
+    static figure."""
+    check_number("N", N, "the number of ranks in the ring", 2, MAX_RANKS, whole=True)
+    widgets = import_ipywidgets()
+    if widgets is None:
+        return plot_ring_step(N, 0).figure
+    ranks = widgets.IntSlider(N, min=2, max=MAX_RANKS, description="N ranks", style=FIT)
+    step = widgets.IntSlider(0, min=0, max=2 * (N - 1), description="step", style=FIT)
+    image, feedback = widgets.Image(format="png"), Feedback()
 
     def redraw(_=None):
-        image.value = _png(lambda ax: plot_ring_step(ranks.value, step.value, ax), _ring_figsize(ranks.value))
+        image.value = png(lambda ax: plot_ring_step(ranks.value, step.value, ax), _ring_figsize(ranks.value))
 
     def change_ranks(_):
         step.max = 2 * (ranks.value - 1)  # may clamp step.value, which redraws too
         redraw()
 
-    ranks.observe(change_ranks, names="value")
-    step.observe(redraw, names="value")
+    ranks.observe(feedback.guard(change_ranks, "Redrawing the ring"), names="value")
+    step.observe(feedback.guard(redraw, "Redrawing the ring"), names="value")
     redraw()
-    return widgets.VBox([widgets.HBox([ranks, step]), image])
+    show_static(image.value, f"ring all-reduce on {N} ranks")
+    return widgets.VBox([widgets.HBox([ranks, step]), feedback.box, image])
 
 
 def plot_alpha_beta(N, alpha, beta, sizes, measured=None, ax=None):
@@ -119,6 +124,10 @@ def plot_alpha_beta(N, alpha, beta, sizes, measured=None, ax=None):
     """
     import matplotlib.pyplot as plt
 
+    _check_model(N, alpha, beta)
+    if not sizes or not all(size > 0 for size in sizes):
+        raise ValueError(f"sizes are the message sizes D to draw, in bytes: give at least one, each above 0, "
+                         f"not {sizes!r}.")
     if ax is None:
         _, ax = plt.subplots(figsize=(7.5, 4.2), layout="constrained")
     for algorithm in ALLREDUCE_ALGORITHMS:
@@ -144,6 +153,8 @@ def plot_alpha_beta(N, alpha, beta, sizes, measured=None, ax=None):
 def prediction_table(N, alpha, beta, D):
     """HTML table of each algorithm's predicted time for D bytes on N ranks, split into its
     latency term (the alpha part) and bandwidth term (the beta part); the fastest in bold."""
+    _check_model(N, alpha, beta)
+    check_number("D", D, "the message size in bytes", 0)
     times = {a: cost_model(a, D, N, alpha, beta) for a in ALLREDUCE_ALGORITHMS}
     fastest = min(times, key=times.get)
     rows = []
@@ -162,40 +173,39 @@ def alpha_beta_widget(measured=None, N=4, alpha=1e-5, beta=1e-10):
     """The alpha-beta model with sliders: N (2..64), alpha (seconds, log scale), beta
     (seconds per byte, log scale) redraw ``plot_alpha_beta`` (with ``measured`` rows laid
     over it); a message-size slider marks a size D on the plot and fills the table of
-    ``prediction_table``. Returns an ipywidgets VBox."""
-    import ipywidgets as widgets
-
-    ranks = widgets.IntSlider(N, min=2, max=64, description="N ranks")
-    latency = widgets.FloatLogSlider(alpha, min=-7, max=-2, step=0.1, description="alpha (s)", readout_format=".2e")
-    per_byte = widgets.FloatLogSlider(beta, min=-12, max=-7, step=0.1, description="beta (s/B)", readout_format=".2e")
-    size = widgets.FloatLogSlider(2**20, base=2, min=6, max=30, step=1, description="D (bytes)", readout_format=".3s")
-    image, table = widgets.Image(format="png"), widgets.HTML()
-    sizes = [2.0**k for k in range(6, 31)]
+    ``prediction_table``. The alpha and beta sliders widen to reach the values given.
+    Displays a static picture of the first state (kept by a saved notebook) and returns an
+    ipywidgets VBox; without ipywidgets, warns and returns the static figure."""
+    _check_model(N, alpha, beta)
+    check_number("alpha", alpha, "the latency of one message in seconds, on a log-scale slider", 0, above=True)
+    widgets = import_ipywidgets()
+    if widgets is None:
+        return plot_alpha_beta(N, alpha, beta, SIZES, measured).figure
+    ranks = widgets.IntSlider(N, min=2, max=max(64, N), description="N ranks", style=FIT)
+    latency = log_slider(alpha, -7, -2, "alpha (s)", step=0.1, readout_format=".2e")
+    per_byte = log_slider(beta, -12, -7, "beta (s/B)", step=0.1, readout_format=".2e")
+    size = log_slider(2**20, 6, 30, "D (bytes)", base=2, step=1, readout_format=".3s")
+    image, table, feedback = widgets.Image(format="png"), widgets.HTML(), Feedback()
 
     def redraw(_=None):
         def draw(ax):
-            plot_alpha_beta(ranks.value, latency.value, per_byte.value, sizes, measured, ax)
+            plot_alpha_beta(ranks.value, latency.value, per_byte.value, SIZES, measured, ax)
             ax.axvline(size.value, color="gray", lw=0.8, ls=":")
 
-        image.value = _png(draw, (7.5, 4.2))
+        image.value = png(draw, (7.5, 4.2))
         table.value = prediction_table(ranks.value, latency.value, per_byte.value, size.value)
 
     for slider in (ranks, latency, per_byte, size):
-        slider.observe(redraw, names="value")
+        slider.observe(feedback.guard(redraw, "Redrawing the model"), names="value")
     redraw()
-    return widgets.VBox([widgets.HBox([ranks, size]), widgets.HBox([latency, per_byte]), image, table])
+    show_static(image.value, f"the alpha-beta model on {N} ranks")
+    return widgets.VBox([widgets.HBox([ranks, size]), widgets.HBox([latency, per_byte]), feedback.box, image, table])
 
 
-def _png(draw, figsize):
-    """PNG bytes of a figure drawn by ``draw(ax)``. A bare Figure, not pyplot: nothing is
-    kept in pyplot's list of open figures or shown twice by the inline backend."""
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=figsize, layout="constrained")
-    draw(figure.subplots())
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=90)
-    return buffer.getvalue()
+def _check_model(N, alpha, beta):
+    check_number("N", N, "the number of ranks", 2, whole=True)
+    check_number("alpha", alpha, "the latency of one message in seconds", 0)
+    check_number("beta", beta, "the seconds per byte of a link (1 / bandwidth)", 0, above=True)
 
 
 def _ms(seconds):

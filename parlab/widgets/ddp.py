@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from parlab.ddp import DDP, MB, assign_buckets
-from parlab.widgets.collectives import _png
+from parlab.widgets._common import Feedback, check_number, import_ipywidgets, log_slider, png, show_static
 
 # A cluster network, as in lecture 01: alpha = 10 µs per message, 1/beta = 25 GB/s.
 ALPHA, BETA = 10e-6, 1 / 25e9
@@ -49,6 +49,11 @@ def predict_overlap(bucket_bytes, ready_times, alpha, beta):
             f"predict_overlap needs one ready time per bucket and at least one bucket; got "
             f"{len(bucket_bytes)} buckets and {len(ready_times)} ready times."
         )
+    check_number("alpha", alpha, "the latency of one all-reduce in seconds", 0)
+    check_number("beta", beta, "the seconds per byte of an all-reduce (1 / bandwidth)", 0)
+    for nbytes, ready in zip(bucket_bytes, ready_times):
+        check_number("a bucket's size", nbytes, "its bytes", 0)
+        check_number("a ready time", ready, "seconds after the start of backward", 0)
     intervals, end = [], 0.0
     for nbytes, ready in zip(bucket_bytes, ready_times):
         start = max(ready, end)
@@ -62,6 +67,8 @@ def predict_overlap(bucket_bytes, ready_times, alpha, beta):
 def trainable_parameters(model):
     """``[(name, parameter)]`` of the parameters DDP averages, in registration order (a tied
     parameter once, frozen ones left out), as ``parlab.ddp.DDP`` selects them."""
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"give the model as a torch.nn.Module (the one DDP wraps), not {type(model).__name__}.")
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("the model has no trainable parameters: there is nothing to bucket.")
@@ -88,16 +95,21 @@ def bucket_overlap(model, bucket_cap_mb, alpha, beta, backward_seconds=None, par
     if parameter_ready is None:
         if backward_seconds is None:
             raise ValueError("give backward_seconds (time proportional to size) or parameter_ready (measured).")
+        check_number("backward_seconds", backward_seconds, "the time of one backward pass", 0, above=True)
         elapsed, parameter_ready = 0.0, [0.0] * len(sizes)
         for index in reversed(range(len(sizes))):
             elapsed += backward_seconds * sizes[index] / sum(sizes)
             parameter_ready[index] = elapsed
+    if len(parameter_ready) != len(parameters):
+        raise ValueError(f"parameter_ready needs one time per trainable parameter of the model ({len(parameters)}), "
+                         f"got {len(parameter_ready)}.")
     last = len(parameters) - 1
     buckets = [[last - index for index in bucket] for bucket in assign_buckets(parameters, bucket_cap_mb)]
     order = list(reversed(range(len(parameters))))
     ready = [parameter_ready[index] for index in order]
     bucket_bytes = [sum(sizes[order[i]] for i in bucket) for bucket in buckets]
-    intervals, step_end, exposed = predict_overlap(bucket_bytes, [max(ready[i] for i in b) for b in buckets], alpha, beta)
+    bucket_ready = [max(ready[i] for i in bucket) for bucket in buckets]
+    intervals, step_end, exposed = predict_overlap(bucket_bytes, bucket_ready, alpha, beta)
     return dict(names=[named[index][0] for index in order], nbytes=[sizes[index] for index in order], ready=ready,
                 buckets=buckets, bucket_bytes=bucket_bytes, intervals=intervals, backward=max(ready),
                 step_end=step_end, exposed=exposed)
@@ -147,26 +159,31 @@ def plot_buckets(model, bucket_cap_mb, alpha=ALPHA, beta=BETA, backward_seconds=
 
 
 def bucket_widget(model, alpha=ALPHA, beta=BETA, backward_seconds=0.01, parameter_ready=None, bucket_cap_mb=1.0):
-    """``plot_buckets`` with a bucket-cap slider (MiB, log scale, 1 byte to 128 MiB); the
-    readout gives the number of buckets, the predicted end of the step and the exposed
-    communication. Returns an ipywidgets VBox."""
-    import ipywidgets as widgets
-
-    cap = widgets.FloatLogSlider(bucket_cap_mb, base=2, min=-20, max=7, step=0.5, description="bucket (MiB)",
-                                 readout_format=".3g")
-    image, readout = widgets.Image(format="png"), widgets.HTML()
+    """``plot_buckets`` with a bucket-cap slider (MiB, log scale, 1 byte to 128 MiB, widened to
+    reach ``bucket_cap_mb``); the readout gives the number of buckets, the predicted end of
+    the step and the exposed communication. Displays a static picture of the first state
+    (kept by a saved notebook) and returns an ipywidgets VBox; without ipywidgets, warns and
+    returns the static figure."""
+    check_number("bucket_cap_mb", bucket_cap_mb, "the bucket size in MiB, on a log-scale slider", 0, above=True)
+    bucket_overlap(model, bucket_cap_mb, alpha, beta, backward_seconds, parameter_ready)  # bad input: ValueError here
+    widgets = import_ipywidgets()
+    if widgets is None:
+        return plot_buckets(model, bucket_cap_mb, alpha, beta, backward_seconds, parameter_ready).figure
+    cap = log_slider(bucket_cap_mb, -20, 7, "bucket_cap_mb (MiB)", base=2, step=0.5, readout_format=".3g")
+    image, readout, feedback = widgets.Image(format="png"), widgets.HTML(), Feedback()
 
     def redraw(_=None):
-        image.value = _png(lambda ax: plot_buckets(model, cap.value, alpha, beta, backward_seconds, parameter_ready,
-                                                   ax), FIGSIZE)
+        image.value = png(lambda ax: plot_buckets(model, cap.value, alpha, beta, backward_seconds, parameter_ready,
+                                                  ax), FIGSIZE)
         plan = bucket_overlap(model, cap.value, alpha, beta, backward_seconds, parameter_ready)
         readout.value = (f"{_buckets(len(plan['buckets']), bold=True)}; backward {plan['backward'] * 1e3:.3g} ms, "
                          f"step end {plan['step_end'] * 1e3:.3g} ms, exposed communication "
                          f"<b>{plan['exposed'] * 1e3:.3g} ms</b>")
 
-    cap.observe(redraw, names="value")
+    cap.observe(feedback.guard(redraw, "Redrawing the buckets"), names="value")
     redraw()
-    return widgets.VBox([cap, readout, image])
+    show_static(image.value, f"the buckets of {bucket_cap_mb:.3g} MiB")
+    return widgets.VBox([cap, readout, feedback.box, image])
 
 
 def time_single_process_step(build_model, make_batch, loss_fn=torch.nn.functional.mse_loss, lr=0.01, repeats=5):
@@ -175,6 +192,7 @@ def time_single_process_step(build_model, make_batch, loss_fn=torch.nn.functiona
     backward and optimizer seconds, and of each trainable parameter's gradient-ready time
     (seconds after the start of backward, registration order, from post-accumulate-grad
     hooks). Returns a dict with ``forward``, ``backward``, ``optimizer``, ``parameter_ready``."""
+    check_number("repeats", repeats, "the number of timed steps", 1, whole=True)
     model = build_model()
     inputs, targets = make_batch(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
@@ -209,7 +227,11 @@ def measure_bucket_sweep(cluster, build_model, make_batch, caps_mb, steps=5, los
     ``finish_gradient_synchronization``, optimizer). A step lasts as long as its slowest
     rank. Returns rows: dicts with ``bucket_cap_mb``, ``buckets`` (their number) and
     ``step_seconds`` (the median over steps of the slowest rank's time)."""
-    per_rank = cluster.run(_time_bucketed_steps, build_model, make_batch, list(caps_mb), steps, loss_fn, lr)
+    caps_mb = list(caps_mb)
+    if not caps_mb:
+        raise ValueError("caps_mb lists the bucket caps to measure, in MiB: give at least one.")
+    check_number("steps", steps, "the number of timed steps per cap", 1, whole=True)
+    per_rank = cluster.run(_time_bucketed_steps, build_model, make_batch, caps_mb, steps, loss_fn, lr)
     rows = []
     for index, cap in enumerate(caps_mb):
         slowest = [max(rank[index][1][step] for rank in per_rank) for step in range(steps)]

@@ -11,14 +11,24 @@ The predictions are ``parlab.memory.model_state_bytes``; the measurements are th
 FSDP engines' ``model_state_bytes()`` (``parlab.zero``), taken at rest after a step.
 """
 
-import warnings
+import math
 
 import torch
 import torch.distributed as dist
 
 from parlab import zero
 from parlab.memory import FP32_ADAM, GB, MIXED_ADAM, STAGES, fits, model_state_bytes
-from parlab.widgets.collectives import _png
+from parlab.widgets._common import (
+    FIT,
+    Feedback,
+    button,
+    check_number,
+    import_ipywidgets,
+    png,
+    running_cluster,
+    show_static,
+    toggle_buttons,
+)
 
 PSI_PRESETS = {"1.5B": 1.5e9, "7.5B": 7.5e9, "70B": 70e9}
 # The widget's dtype choice: (param_bytes, grad_bytes) and the K of Adam in that recipe.
@@ -38,8 +48,8 @@ def parse_psi(text):
         psi = float(cleaned[:-1] if scale != 1 else cleaned) * scale
     except ValueError:
         raise ValueError(f"write the number of parameters like 7.5B, 125M or 1e9, not {text!r}.") from None
-    if psi < 0:
-        raise ValueError(f"the number of parameters must be at least 0, not {text!r}.")
+    if not 0 <= psi < math.inf:
+        raise ValueError(f"the number of parameters must be a finite number of at least 0, not {text!r}.")
     return psi
 
 
@@ -55,6 +65,7 @@ def memory_bars(psi, n_d, k=12, param_bytes=2, grad_bytes=2, device_gb=80, ax=No
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
+    _check_config(psi, n_d, k, param_bytes, grad_bytes, device_gb)
     if ax is None:
         _, ax = plt.subplots(figsize=FIGSIZE, layout="constrained")
     predicted = {stage: model_state_bytes(psi, stage, n_d, k, param_bytes, grad_bytes) for stage in STAGES}
@@ -88,6 +99,7 @@ def memory_bars(psi, n_d, k=12, param_bytes=2, grad_bytes=2, device_gb=80, ax=No
 def memory_readout(psi, n_d, k=12, param_bytes=2, grad_bytes=2, device_gb=80, highlight=None):
     """An HTML table of ``model_state_bytes`` per stage (GB per device, each part and the
     total) with whether it fits in ``device_gb``; the ``highlight`` row in bold."""
+    _check_config(psi, n_d, k, param_bytes, grad_bytes, device_gb)
     rows = []
     for stage in STAGES:
         state = model_state_bytes(psi, stage, n_d, k, param_bytes, grad_bytes)
@@ -154,40 +166,39 @@ def memory_widget(cluster=None, psi="7.5B", n_d=64, device_gb=80):
     dtype (fp16/bf16 mixed: 2 + 2 bytes, K = 12; fp32: 4 + 4 bytes, K = 8, Adam's presets),
     K, N_d, the device's GB and a stage to highlight, over the figure and ``memory_readout``.
     With a ``cluster``, a button "measure on the cluster" runs ``measure_stages`` (fp32 Adam
-    on ``small_model``), sets the controls to that model (its Psi, N_d = world size, fp32)
-    and lays the measured bars beside the predicted ones while the controls stay there.
-    Returns an ipywidgets VBox; without ipywidgets, warns and returns the static figure.
+    on ``small_model``) stage by stage under a progress bar, sets the controls to that model
+    (its Psi, N_d = world size, fp32) and lays the measured bars beside the predicted ones
+    while the controls stay there; if an earlier cell closed the cluster, it starts a new
+    one with as many ranks. Displays a static picture of the first state (kept by a saved
+    notebook) and returns an ipywidgets VBox; without ipywidgets, warns and returns the
+    static figure.
     """
-    try:
-        import ipywidgets as widgets
-    except ImportError:
-        warnings.warn("ipywidgets is not installed: showing the static figure (pip install ipywidgets).")
-        return memory_bars(parse_psi(psi), n_d, device_gb=device_gb).figure
+    psi_value = parse_psi(psi)
+    check_number("n_d", n_d, "the number of data-parallel ranks N_d", 1, 1024, whole=True)
+    check_number("device_gb", device_gb, "the memory of one device in GB", 1, 10_000)
+    widgets = import_ipywidgets()
+    if widgets is None:
+        return memory_bars(psi_value, n_d, device_gb=device_gb).figure
 
     preset = widgets.Dropdown(options=["custom", *PSI_PRESETS], value=psi if psi in PSI_PRESETS else "custom",
-                              description="Psi preset")
-    psi_text = widgets.Text(psi, description="Psi", continuous_update=False)
-    dtype = widgets.ToggleButtons(options=list(DTYPES), description="dtype")
-    k = widgets.FloatSlider(MIXED_ADAM.k, min=0, max=24, step=1, description="K")
-    ranks = widgets.IntSlider(n_d, min=1, max=1024, description="N_d", continuous_update=False)
-    device = widgets.BoundedFloatText(device_gb, min=1, max=10_000, description="device GB")
-    highlight = widgets.ToggleButtons(options=list(STAGES), value=3, description="stage")
-    image, readout, status = widgets.Image(format="png"), widgets.HTML(), widgets.HTML()
-    measurement = {}  # "config": the controls it was measured at, "states": stage -> ModelState
+                              description="Psi preset", style=FIT)
+    psi_text = widgets.Text(str(psi), description="Psi", continuous_update=False, style=FIT)
+    dtype = toggle_buttons(list(DTYPES), "dtype")
+    k = widgets.FloatSlider(MIXED_ADAM.k, min=0, max=24, step=1, description="K", style=FIT)
+    ranks = widgets.IntSlider(n_d, min=1, max=1024, description="N_d", continuous_update=False, style=FIT)
+    device = widgets.BoundedFloatText(device_gb, min=1, max=10_000, description="device GB", style=FIT)
+    highlight = toggle_buttons(list(STAGES), "stage", value=3)
+    image, readout, feedback = widgets.Image(format="png"), widgets.HTML(), Feedback()
+    measurement = {"cluster": cluster}  # and "config": the controls it was measured at, "states"
 
     def controls():
         precision = DTYPES[dtype.value]
         return parse_psi(psi_text.value), ranks.value, k.value, precision.param_bytes, precision.grad_bytes
 
     def redraw(_=None):
-        try:
-            config = controls()
-        except ValueError as error:
-            status.value = f"<span style='color:red'>{error}</span>"
-            return
-        status.value = ""
+        config = controls()
         measured = measurement["states"] if measurement.get("config") == config else None
-        image.value = _png(lambda ax: memory_bars(*config, device.value, ax, measured, highlight.value), FIGSIZE)
+        image.value = png(lambda ax: memory_bars(*config, device.value, ax, measured, highlight.value), FIGSIZE)
         readout.value = memory_readout(*config, device.value, highlight.value)
 
     def choose_preset(_):
@@ -198,25 +209,38 @@ def memory_widget(cluster=None, psi="7.5B", n_d=64, device_gb=80):
         k.value = DTYPES[dtype.value].k
 
     def measure(_):
-        status.value = f"measuring stages 0 to 3 on {cluster.world_size} ranks..."
-        measurement["states"] = measure_stages(cluster)
+        measurement["cluster"] = running_cluster(measurement["cluster"], feedback)
+        ranks_there = measurement["cluster"].world_size
+        states = {}
+        with feedback.progress(len(STAGES), f"stage 0 on {ranks_there} ranks") as advance:
+            for stage in STAGES:
+                states.update(measure_stages(measurement["cluster"], stages=(stage,)))
+                advance(f"stage {stage + 1} on {ranks_there} ranks" if stage + 1 in STAGES else "done")
         psi_small = sum(p.numel() for p in small_model().parameters())
-        measurement["config"] = (float(psi_small), cluster.world_size, FP32_ADAM.k, FP32_ADAM.param_bytes,
-                                 FP32_ADAM.grad_bytes)
-        preset.value, psi_text.value, ranks.value, dtype.value = "custom", str(psi_small), cluster.world_size, "fp32"
+        measurement.update(states=states, config=(float(psi_small), ranks_there, FP32_ADAM.k, FP32_ADAM.param_bytes,
+                                                  FP32_ADAM.grad_bytes))
+        preset.value, psi_text.value, ranks.value, dtype.value = "custom", str(psi_small), ranks_there, "fp32"
         redraw()
 
-    preset.observe(choose_preset, names="value")
-    dtype.observe(choose_dtype, names="value")
+    preset.observe(feedback.guard(choose_preset, "Choosing the preset"), names="value")
+    dtype.observe(feedback.guard(choose_dtype, "Choosing the dtype"), names="value")
     for control in (psi_text, dtype, k, ranks, device, highlight):
-        control.observe(redraw, names="value")
+        control.observe(feedback.guard(redraw, "Redrawing the memory bars"), names="value")
     redraw()
+    show_static(image.value, f"ZeRO memory for Psi = {psi}")
     rows = [widgets.HBox([preset, psi_text]), widgets.HBox([dtype, device]), widgets.HBox([k, ranks]), highlight]
     if cluster is not None:
-        button = widgets.Button(description="measure on the cluster")
-        button.on_click(measure)
-        rows.append(button)
-    return widgets.VBox([*rows, status, image, readout])
+        rows.append(button("measure on the cluster", feedback.guard(measure, "Measuring on the cluster")))
+    return widgets.VBox([*rows, feedback.box, image, readout])
+
+
+def _check_config(psi, n_d, k, param_bytes, grad_bytes, device_gb):
+    check_number("psi", psi, "the number of parameters Psi", 0, math.inf)
+    check_number("n_d", n_d, "the number of data-parallel ranks N_d", 1, whole=True)
+    check_number("k", k, "the optimizer's bytes per parameter K", 0)
+    check_number("param_bytes", param_bytes, "the bytes of one parameter", 0)
+    check_number("grad_bytes", grad_bytes, "the bytes of one gradient", 0)
+    check_number("device_gb", device_gb, "the memory of one device in GB", 0, above=True)
 
 
 def _stacked_bar(ax, x, width, state, scale, kind, stage, outlined):

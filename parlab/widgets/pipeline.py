@@ -14,11 +14,20 @@ v chunks, each taking t / v: the work per rank is the same for every schedule, s
 step times compare directly.
 """
 
+import html
 import textwrap
-import warnings
 
 from parlab.pipeline import bubble_formula, bubble_fraction, bubble_ratio_playbook, make_schedule, simulate
-from parlab.widgets.collectives import _png
+from parlab.widgets._common import (
+    FIT,
+    Feedback,
+    button,
+    check_number,
+    import_ipywidgets,
+    png,
+    running_cluster,
+    show_static,
+)
 
 MEASURE_T_F = 0.02  # seconds a sleeping stage takes per forward when measured on a cluster
 
@@ -28,6 +37,8 @@ def stage_times(name, v=1, tb_over_tf=2.0, tw_over_tf=0.0, t_f=1.0):
     one micro-batch takes ``t_f`` and whose backward takes ``tb_over_tf`` t_f, of which
     ``tw_over_tf`` t_f is the weight gradient: divided by v for interleaved chunks; for
     "zb_h1" B is t_b - t_w and W is t_w, for the others B is the whole t_b and t_w = 0."""
+    check_number("v", v, "the number of chunks per rank", 1, whole=True)
+    check_number("t_f", t_f, "the seconds of one forward", 0, above=True)
     if not 0 <= tw_over_tf < tb_over_tf:
         raise ValueError(f"t_W / t_F = {tw_over_tf:g} must be at least 0 and below t_B / t_F = {tb_over_tf:g}: "
                          f"the weight gradient is a part of the backward.")
@@ -64,20 +75,26 @@ def schedule_figure(name, K, M, v=1, tb_over_tf=2.0, tw_over_tf=0.0, ax=None):
                     peak_activations=peaks, peak_vs_gpipe=[peak / (v * M) for peak in peaks])
 
 
-def measure_schedule(cluster, schedule, t_f, t_b, t_w=0.0, timeout=60):
+def measure_schedule(cluster, schedule, t_f, t_b, t_w=0.0, timeout=60, on_step=None):
     """Run ``schedule`` once on ``cluster`` with stages that only sleep (t_f, t_b, t_w
     seconds per stage: ``parlab.pipeline.sleep_pipeline_step``) under ``cluster.trace``,
     after one untraced warm-up step: a cluster's first pipeline step also pays for imports
     and for opening the connections between ranks (seconds, not the schedule's bubble).
     Returns ``(timeline, bubble)`` with bubble = ``bubble_fraction(timeline)``, the same
-    function the simulator's bubble is computed with. The cluster must have K ranks."""
+    function the simulator's bubble is computed with. The cluster must have K ranks.
+    ``on_step(label)``, if given, is called after each of the two steps (a progress bar)."""
     from parlab.pipeline import sleep_pipeline_step  # the executor needs torch; the figures do not
 
+    for name, seconds in (("t_f", t_f), ("t_b", t_b), ("t_w", t_w)):
+        check_number(name, seconds, "the seconds a sleeping stage takes", 0)
     if cluster.world_size != schedule.num_ranks:
         raise ValueError(f"the cluster has {cluster.world_size} ranks and the schedule K = {schedule.num_ranks}: set "
                          f"K = {cluster.world_size} to run it here.")
+    on_step = on_step or (lambda label: None)
     cluster.run(sleep_pipeline_step, schedule, t_f, t_b, t_w, timeout=timeout)
+    on_step("the traced step")
     timeline = cluster.trace(sleep_pipeline_step, schedule, t_f, t_b, t_w, timeout=timeout)
+    on_step("done")
     return timeline, bubble_fraction(timeline)
 
 
@@ -92,7 +109,7 @@ def plot_measured(timeline, ax=None):
 def readout_html(readouts, measured_bubble=None):
     """One line of HTML with the numbers of ``schedule_figure`` (and a measured bubble)."""
     if "error" in readouts:
-        return f"<span style='color:red'>{readouts['error']}</span>"
+        return f"<span style='color:red'>{html.escape(readouts['error'])}</span>"
     peaks = ", ".join(map(str, readouts["peak_activations"]))
     relative = ", ".join(f"{share:.0%}" for share in readouts["peak_vs_gpipe"])
     measured = f"; measured bubble <b>{measured_bubble:.1%}</b>" if measured_bubble is not None else ""
@@ -116,26 +133,33 @@ def schedule_widget(cluster=None, name="1f1b", K=4, M=8, v=2, tb_over_tf=2.0, tw
     """``schedule_figure`` with a schedule dropdown and sliders K (1-8), M (1-32), v (1-4,
     interleaved only), t_B / t_F (0.5-4) and t_W / t_F (ZB-H1 only), and ``readout_html``.
     "naive" runs M = 1. With a ``cluster``, a button "run on the cluster" measures the
-    current schedule (``measure_schedule``, t_F = 20 ms per rank) when the cluster has K
-    ranks and draws the measured timeline below the simulated one, with its bubble, while
-    the settings stay. Returns an ipywidgets VBox; without ipywidgets, warns and returns
+    current schedule (``measure_schedule``, t_F = 20 ms per rank, under a progress bar) when
+    the cluster has K ranks and draws the measured timeline below the simulated one, with
+    its bubble, while the settings stay; if an earlier cell closed the cluster, it starts a
+    new one with as many ranks. Displays a static picture of the first state (kept by a
+    saved notebook) and returns an ipywidgets VBox; without ipywidgets, warns and returns
     the static figure."""
-    try:
-        import ipywidgets as widgets
-    except ImportError:
-        warnings.warn("ipywidgets is not installed: showing the static figure (pip install ipywidgets).")
-        return schedule_figure(*applicable(name, K, M, v, tb_over_tf, tw_over_tf))[0].figure
-
     from parlab.pipeline import SCHEDULES
 
-    schedule = widgets.Dropdown(options=list(SCHEDULES), value=name, description="schedule")
-    ranks = widgets.IntSlider(K, min=1, max=8, description="K ranks")
-    microbatches = widgets.IntSlider(M, min=1, max=32, description="M")
-    chunks = widgets.IntSlider(v, min=1, max=4, description="v chunks")
-    backward = widgets.FloatSlider(tb_over_tf, min=0.5, max=4, step=0.25, description="t_B / t_F")
-    weight = widgets.FloatSlider(tw_over_tf, min=0, max=2, step=0.25, description="t_W / t_F")
-    image, readout, status = widgets.Image(format="png"), widgets.HTML(), widgets.HTML()
-    measurement = {}  # "settings": the settings it was measured at, "timeline", "bubble"
+    if name not in SCHEDULES:
+        raise ValueError(f"name is the schedule to draw: one of {', '.join(SCHEDULES)}, not {name!r}.")
+    check_number("K", K, "the number of pipeline ranks, on a slider", 1, 8, whole=True)
+    check_number("M", M, "the number of micro-batches, on a slider", 1, 32, whole=True)
+    check_number("v", v, "the number of chunks per rank, on a slider", 1, 4, whole=True)
+    check_number("tb_over_tf", tb_over_tf, "t_B / t_F, on a slider", 0.5, 4)
+    check_number("tw_over_tf", tw_over_tf, "t_W / t_F, on a slider", 0, 2)
+    widgets = import_ipywidgets()
+    if widgets is None:
+        return schedule_figure(*applicable(name, K, M, v, tb_over_tf, tw_over_tf))[0].figure
+
+    schedule = widgets.Dropdown(options=list(SCHEDULES), value=name, description="schedule", style=FIT)
+    ranks = widgets.IntSlider(K, min=1, max=8, description="K ranks", style=FIT)
+    microbatches = widgets.IntSlider(M, min=1, max=32, description="M", style=FIT)
+    chunks = widgets.IntSlider(v, min=1, max=4, description="v chunks", style=FIT)
+    backward = widgets.FloatSlider(tb_over_tf, min=0.5, max=4, step=0.25, description="t_B / t_F", style=FIT)
+    weight = widgets.FloatSlider(tw_over_tf, min=0, max=2, step=0.25, description="t_W / t_F", style=FIT)
+    image, readout, feedback = widgets.Image(format="png"), widgets.HTML(), Feedback()
+    measurement = {"cluster": cluster}  # and "settings": the settings it was measured at, "timeline", "bubble"
 
     def settings():
         return applicable(schedule.value, ranks.value, microbatches.value, chunks.value, backward.value, weight.value)
@@ -156,29 +180,24 @@ def schedule_widget(cluster=None, name="1f1b", K=4, M=8, v=2, tb_over_tf=2.0, tw
                 plot_measured(measured["timeline"], below)
             numbers.update(schedule_figure(*current, ax=ax)[1])
 
-        image.value = _png(draw, figure_size(current[1], 2 if measured else 1))
+        image.value = png(draw, figure_size(current[1], 2 if measured else 1))
         readout.value = readout_html(numbers, measured.get("bubble"))
 
     def measure(_):
         current = settings()
-        try:
-            planned = make_schedule(*current[:4])
-            times = stage_times(current[0], current[3], current[4], current[5], MEASURE_T_F)
-            status.value = f"running {planned.name} on {cluster.world_size} ranks..."
-            timeline, bubble = measure_schedule(cluster, planned, *times)
-        except ValueError as error:
-            status.value = f"<span style='color:red'>{error}</span>"
-            return
+        planned = make_schedule(*current[:4])
+        times = stage_times(current[0], current[3], current[4], current[5], MEASURE_T_F)
+        measurement["cluster"] = running_cluster(measurement["cluster"], feedback)
+        with feedback.progress(2, f"{planned.name} on {current[1]} ranks: the warm-up step") as advance:
+            timeline, bubble = measure_schedule(measurement["cluster"], planned, *times, on_step=advance)
         measurement.update(settings=current, timeline=timeline, bubble=bubble)
-        status.value = ""
         redraw()
 
     for control in (schedule, ranks, microbatches, chunks, backward, weight):
-        control.observe(redraw, names="value")
+        control.observe(feedback.guard(redraw, "Redrawing the schedule"), names="value")
     redraw()
+    show_static(image.value, f"the {name} schedule on {K} ranks")
     rows = [schedule, widgets.HBox([ranks, microbatches, chunks]), widgets.HBox([backward, weight])]
     if cluster is not None:
-        button = widgets.Button(description="run on the cluster")
-        button.on_click(measure)
-        rows.append(button)
-    return widgets.VBox([*rows, status, readout, image])
+        rows.append(button("run on the cluster", feedback.guard(measure, "Running on the cluster")))
+    return widgets.VBox([*rows, feedback.box, readout, image])

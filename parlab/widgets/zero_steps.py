@@ -37,11 +37,9 @@ Stages 0 to 2 send the same bytes: ZeRO moves the optimizer step of stage 0 from
 all-reduce to between its two halves, where each rank has the averaged gradient of one shard.
 """
 
-import warnings
-
-from parlab.widgets.collectives import _png
-from parlab.widgets.memory import PART_LABELS, PARTS, STAGE_LABELS
 from parlab.flat import FlatLayout
+from parlab.widgets._common import FIT, Feedback, check_number, import_ipywidgets, png, show_static
+from parlab.widgets.memory import PART_LABELS, PARTS, STAGE_LABELS
 
 STEP_PHASES = {
     0: ("backward", "reduce-scatter of the gradients", "all-gather of the gradients (the all-reduce is done)",
@@ -71,13 +69,11 @@ def zero_step_holdings(stage, phase, n_d=4):
     ``STEP_PHASES[stage]``) of one training step at ZeRO stage ``stage``: a list, rank r at
     index r, of {"params": labels, "grads": labels, "optimizer": labels}, each a tuple of N_d
     labels, one per shard (module docstring), None where the rank does not hold the shard."""
-    if stage not in STEP_PHASES:
-        raise ValueError(f"stage must be a ZeRO stage 0, 1, 2 or 3, got {stage!r}.")
+    _check_stage(stage)
     if not 0 <= phase < len(STEP_PHASES[stage]):
         raise ValueError(f"stage {stage} has phases 0 to {len(STEP_PHASES[stage]) - 1} (STEP_PHASES[{stage}]), "
                          f"got phase={phase!r}.")
-    if n_d < 1:
-        raise ValueError(f"n_d is the number of data-parallel ranks: at least 1, got {n_d!r}.")
+    check_number("n_d", n_d, "the number of data-parallel ranks", 1, whole=True)
     layout = FlatLayout([(n_d,)], n_d)
     return [_rank_holdings(stage, phase, layout.owned_shard(rank), n_d) for rank in range(n_d)]
 
@@ -117,8 +113,7 @@ def plot_zero_step(stage, phase, n_d=4, ax=None):
     from matplotlib.patches import Rectangle
 
     holdings = zero_step_holdings(stage, phase, n_d)
-    if n_d > MAX_RANKS:
-        raise ValueError(f"the step-through draws 1 to {MAX_RANKS} ranks, got n_d={n_d}; use fewer ranks.")
+    _check_drawable(n_d)
     if ax is None:
         _, ax = plt.subplots(figsize=_figsize(n_d), layout="constrained")
     layout = FlatLayout([(n_d,)], n_d)
@@ -153,6 +148,8 @@ def plot_zero_steps(stage, n_d=4):
     ``STEP_PHASES[stage]``, two panels a row. Returns the figure."""
     import matplotlib.pyplot as plt
 
+    _check_stage(stage)
+    _check_drawable(n_d)
     count = len(STEP_PHASES[stage])
     width, height = _figsize(n_d)
     figure, axes = plt.subplots((count + 1) // 2, 2, figsize=(2 * width, (count + 1) // 2 * height),
@@ -167,30 +164,41 @@ def plot_zero_steps(stage, n_d=4):
 
 def zero_step_widget(n_d=4, stage=2):
     """Step through one training step: a dropdown for the ZeRO stage (0 to 3) and a slider for
-    the phase (1 to the stage's number of phases) redraw ``plot_zero_step``. Returns an
-    ipywidgets VBox; without ipywidgets, warns and returns ``plot_zero_steps(stage, n_d)``."""
-    try:
-        import ipywidgets as widgets
-    except ImportError:
-        warnings.warn("ipywidgets is not installed: showing the static figure (pip install ipywidgets).")
+    the phase (1 to the stage's number of phases) redraw ``plot_zero_step``. Displays a static
+    picture of the first phase (kept by a saved notebook) and returns an ipywidgets VBox;
+    without ipywidgets, warns and returns ``plot_zero_steps(stage, n_d)``."""
+    _check_stage(stage)
+    _check_drawable(n_d)
+    widgets = import_ipywidgets()
+    if widgets is None:
         return plot_zero_steps(stage, n_d)
 
     stages = widgets.Dropdown(options=[(STAGE_LABELS[s], s) for s in STEP_PHASES], value=stage,
-                              description="ZeRO stage")
-    phase = widgets.IntSlider(1, min=1, max=len(STEP_PHASES[stage]), description="phase")
-    image = widgets.Image(format="png")
+                              description="ZeRO stage", style=FIT)
+    phase = widgets.IntSlider(1, min=1, max=len(STEP_PHASES[stage]), description="phase", style=FIT)
+    image, feedback = widgets.Image(format="png"), Feedback()
 
     def redraw(_=None):
-        image.value = _png(lambda ax: plot_zero_step(stages.value, phase.value - 1, n_d, ax), _figsize(n_d))
+        image.value = png(lambda ax: plot_zero_step(stages.value, phase.value - 1, n_d, ax), _figsize(n_d))
 
     def change_stage(_):
         phase.max = len(STEP_PHASES[stages.value])  # may clamp phase.value, which redraws too
         redraw()
 
-    stages.observe(change_stage, names="value")
-    phase.observe(redraw, names="value")
+    stages.observe(feedback.guard(change_stage, "Redrawing the step"), names="value")
+    phase.observe(feedback.guard(redraw, "Redrawing the step"), names="value")
     redraw()
-    return widgets.VBox([widgets.HBox([stages, phase]), image])
+    show_static(image.value, f"ZeRO stage {stage}, phase 1, on {n_d} ranks")
+    return widgets.VBox([widgets.HBox([stages, phase]), feedback.box, image])
+
+
+def _check_stage(stage):
+    if isinstance(stage, bool) or stage not in STEP_PHASES:
+        raise ValueError(f"stage must be a ZeRO stage 0, 1, 2 or 3, got {stage!r}.")
+
+
+def _check_drawable(n_d):
+    check_number("n_d", n_d, "the number of data-parallel ranks the step-through draws", 1, MAX_RANKS, whole=True)
 
 
 def _figsize(n_d):
