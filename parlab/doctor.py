@@ -77,6 +77,16 @@ def check_cpus():
     return INFO, f"{os.cpu_count()} CPU cores; ranks beyond that share cores (slower, same results)"
 
 
+def check_user():
+    """parlab runs as any user, but ``jupyter lab`` refuses to start as root."""
+    if getattr(os, "geteuid", lambda: None)() != 0:  # Windows has no geteuid, and no root
+        return OK, "running as a normal user, so `jupyter lab` starts as it is"
+    return INFO, (
+        "running as root (in a container, say): `jupyter lab` refuses to start as root; run it as a "
+        "normal user, or add --allow-root (jupyter lab --allow-root notebooks/)"
+    )
+
+
 def check_widget_extension(labextension_dirs=None):
     """Look for the ipywidgets JupyterLab extension in ``labextension_dirs`` (default: the
     ``labextensions`` folders of every Jupyter data path)."""
@@ -137,6 +147,7 @@ CHECKS = (
     check_nccl,
     check_gpus,
     check_cpus,
+    check_user,
     check_widget_extension,
     check_all_reduce,
 )
