@@ -16,8 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from parlab import p2p
-from parlab.runtime import device
+from parlab import p2p, runtime
 
 # The all-reduce algorithms of the lecture; "tree" is tree_reduce followed by tree_broadcast.
 ALLREDUCE_ALGORITHMS = ("naive", "ring", "butterfly", "tree")
@@ -100,7 +99,7 @@ def measure_p2p(sizes, repeats=10):
         return None
     pairs = []
     for size in sorted(sizes):
-        message = torch.zeros(size, dtype=torch.uint8, device=device())
+        message = torch.zeros(size, dtype=torch.uint8, device=runtime.device())
         times = []
         for _ in range(repeats + 1):
             start = time.perf_counter()

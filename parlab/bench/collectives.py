@@ -20,8 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-import parlab
-from parlab import collectives
+from parlab import collectives, runtime
 from parlab.bench import format_table, positive_int, progress, synchronise
 
 ALGORITHMS = {
@@ -56,7 +55,7 @@ def bench_collectives(world_sizes=(2, 4), sizes=DEFAULT_SIZES, device="cpu"):
     (world_size, size, algorithm): seconds, algbw and busbw (bytes/s), and ratio to torch."""
     rows = []
     for world_size in world_sizes:
-        with parlab.Cluster(world_size, device=device) as cluster:
+        with runtime.Cluster(world_size, device=device) as cluster:
             for size in sizes:
                 progress("collectives", f"N={world_size}, {_human(size)} ...")
                 seconds = cluster.run(time_algorithms, size)[0]
@@ -75,7 +74,7 @@ def time_algorithms(size):
     """On every rank: seconds per all-reduce of ``size`` bytes for each algorithm (the
     slowest rank's mean over the timed iterations, the same on every rank)."""
     # Zeros stay zeros under repeated in-place sums: no overflow to inf across iterations.
-    tensor = torch.zeros(max(1, size // 4), dtype=torch.float32, device=parlab.device())
+    tensor = torch.zeros(max(1, size // 4), dtype=torch.float32, device=runtime.device())
     iters = max(MIN_ITERS, min(MAX_ITERS, TIMED_BYTES // max(size, 1)))
     seconds = {}
     for name, all_reduce in ALGORITHMS.items():

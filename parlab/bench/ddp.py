@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import parlab
+from parlab import runtime
 from parlab.bench import format_seconds, format_table, positive_int, progress, synchronise
 from parlab.ddp import DDP
 
@@ -57,7 +57,7 @@ def bench_ddp(world_sizes=(2, 4), steps=20, width=1024, depth=4, batch_size=64, 
     rows, backend = [], None
     for world_size in world_sizes:
         progress("ddp", f"N={world_size}: starting {world_size} ranks ...")
-        with parlab.Cluster(world_size, device=device) as cluster:
+        with runtime.Cluster(world_size, device=device) as cluster:
             progress("ddp", f"N={world_size}: {WARMUP_STEPS} + {steps} steps of {', '.join(VARIANTS)} ...")
             measured = cluster.run(time_steps, steps, width, depth, batch_size, bucket_cap_mb)[0]
         backend = measured["backend"]
@@ -104,7 +104,7 @@ def build_mlp(width, depth):
 def time_steps(steps, width, depth, batch_size, bucket_cap_mb):
     """On every rank: {"seconds": {variant: [step time, ...]}, "backend": ...}, each step
     time the slowest rank's (the same on every rank)."""
-    device = parlab.device()
+    device = runtime.device()
     trainers = {}
     for variant in VARIANTS:
         torch.manual_seed(SEED)  # the same model for every variant

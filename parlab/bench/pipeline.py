@@ -1,4 +1,4 @@
-"""Pipeline parallelism: parlab's executor beside torch.distributed.pipelining, and measured bubbles beside simulated ones.
+"""Pipeline step time beside torch.distributed.pipelining, and measured bubbles beside simulated ones.
 
 For each K in ``--world-sizes`` and each schedule (GPipe, 1F1B, interleaved 1F1B with v = 2
 chunks per rank where M is a multiple of K and the model has K v layers to spare):
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-import parlab
+from parlab import runtime
 from parlab.bench import format_seconds, format_table, positive_int, progress, synchronise
 from parlab.bench.ddp import build_mlp, mlp_parameters
 from parlab.pipeline.executor import PipelineExecutor, partition, sleep_pipeline_step
@@ -70,7 +70,7 @@ def bench_pipeline(world_sizes=(2, 4), microbatches=8, steps=10, width=512, dept
     for K in world_sizes:
         names = valid_schedules(K, M, depth)
         progress("pipeline", f"K={K}: starting {K} ranks ...")
-        with parlab.Cluster(K, device=device) as cluster:
+        with runtime.Cluster(K, device=device) as cluster:
             progress("pipeline", f"K={K}: {WARMUP_STEPS} + {steps} steps of {', '.join(names)}, parlab and torch ...")
             measured = cluster.run(time_steps, names, M, steps, width, depth, batch_size)[0]
             backend = measured["backend"]
@@ -109,7 +109,7 @@ def valid_schedules(K, M, depth):
 def time_steps(names, M, steps, width, depth, batch_size):
     """On every rank: {"seconds": {schedule: {"parlab": [...], "torch": [...]}}, "backend": ...},
     each step time the slowest rank's (the same on every rank)."""
-    device, K = parlab.device(), dist.get_world_size()
+    device, K = runtime.device(), dist.get_world_size()
     generator = torch.Generator().manual_seed(SEED)
     inputs = torch.randn(batch_size, width, generator=generator).to(device)
     targets = torch.randn(batch_size, width, generator=generator).to(device)
@@ -140,7 +140,7 @@ def time_steps(names, M, steps, width, depth, batch_size):
 
 def _my_stages(schedule, width, depth):
     torch.manual_seed(SEED)  # the same model on every rank and for both runners
-    stages = partition(build_mlp(width, depth).to(parlab.device()), schedule.num_stages)
+    stages = partition(build_mlp(width, depth).to(runtime.device()), schedule.num_stages)
     return {s: stages[s] for s in schedule.stages_of(dist.get_rank())}
 
 
@@ -154,7 +154,7 @@ def _torch_runner(schedule, width, depth, inputs, targets):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     stages = _my_stages(schedule, width, depth)
-    pipeline_stages = [PipelineStage(module, s, schedule.num_stages, parlab.device()) for s, module in stages.items()]
+    pipeline_stages = [PipelineStage(module, s, schedule.num_stages, runtime.device()) for s, module in stages.items()]
     M = schedule.num_microbatches
     if schedule.name == "interleaved_1f1b":
         torch_schedule = ScheduleInterleaved1F1B(pipeline_stages, M, loss_fn=F.mse_loss)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import parlab
+from parlab import runtime
 from parlab.bench import format_seconds, format_table, positive_int, progress, synchronise
 from parlab.bench.ddp import build_mlp, mlp_parameters
 from parlab.memory import FP32_ADAM, measure_model_state, model_state_bytes
@@ -76,7 +76,7 @@ def bench_zero(world_sizes=(2, 4), steps=10, hidden=1024, depth=4, batch_size=64
     rows, backend = [], None
     for world_size in world_sizes:
         progress("zero", f"N={world_size}: starting {world_size} ranks ...")
-        with parlab.Cluster(world_size, device=device) as cluster:
+        with runtime.Cluster(world_size, device=device) as cluster:
             progress("zero", f"N={world_size}: {WARMUP_STEPS} + {steps} steps of {len(engines)} engines ...")
             measured = cluster.run(measure_engines, engines, steps, hidden, depth, batch_size)
         backend = measured[0]["backend"]
@@ -85,7 +85,8 @@ def bench_zero(world_sizes=(2, 4), steps=10, hidden=1024, depth=4, batch_size=64
             seconds = measured[0]["seconds"][index]
             rows.append({
                 "world_size": world_size, "implementation": implementation, "stage": stage, "engine": name,
-                "bytes": max(per_rank, key=lambda state: state["total"]), "per_rank_total": [s["total"] for s in per_rank],
+                "bytes": max(per_rank, key=lambda state: state["total"]),
+                "per_rank_total": [s["total"] for s in per_rank],
                 "formula": _as_dict(model_state_bytes(psi, stage, world_size, *FP32_ADAM)),
                 "median_s": statistics.median(seconds), "seconds": seconds,
             })
@@ -161,7 +162,7 @@ def _local(tensor):
 def measure_engines(engines, steps, hidden, depth, batch_size):
     """On every rank: {"seconds": [[step time, ...] per engine], "bytes": [ModelState dict
     per engine], "backend"}; step times are the slowest rank's (the same on every rank)."""
-    device = parlab.device()
+    device = runtime.device()
     built = [build_engine(implementation, stage, hidden, depth, device) for implementation, stage, _ in engines]
     generator = torch.Generator().manual_seed(SEED + dist.get_rank())  # this rank's shard
     inputs = torch.randn(batch_size, hidden, generator=generator).to(device)

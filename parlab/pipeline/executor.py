@@ -64,8 +64,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-import parlab
-from parlab import p2p, trace
+from parlab import p2p, runtime, trace
 from parlab.pipeline.activations import ActivationMeter
 from parlab.pipeline.stages import SleepLayer, partition
 
@@ -148,7 +147,7 @@ class PipelineExecutor:
         self.last_stage = schedule.num_stages - 1
         self.split_backward = schedule.has_weight_actions
         self.steps = {"F": forward_step, "B": backward_step, "W": weight_step}
-        self.device = parlab.device()
+        self.device = runtime.device()
         self.meter = ActivationMeter()
         self.peak_activation_bytes = 0
 
@@ -334,7 +333,7 @@ def sleep_pipeline_step(schedule, t_f, t_b, t_w=0.0):
                          f"time to t_b and leave t_w = 0.")
     rank = dist.get_rank() if dist.is_initialized() else 0
     stages = {s: SleepLayer(t_f, t_b, t_w) for s in schedule.stages_of(rank)}
-    M, device = schedule.num_microbatches, parlab.device()
+    M, device = schedule.num_microbatches, runtime.device()
     executor = PipelineExecutor(schedule, stages, torch.nn.functional.mse_loss)
     # the input requires grad so that stage 0's B takes t_b like every other stage's
     return executor.step(torch.zeros(M, 1, device=device, requires_grad=True), torch.zeros(M, 1, device=device))

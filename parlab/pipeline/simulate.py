@@ -33,7 +33,7 @@ class Simulation:
     time of rank r; ``bubble_fraction`` = 1 - sum(busy) / (K step_time);
     ``peak_activations[r]`` the most (stage, micro-batch) activations rank r holds at once
     (F done, B not yet: for an interleaved schedule each is one chunk, 1/v of the rank's
-    layers); ``timeline`` one COMPUTE event per action, for ``parlab.viz.plot_timeline``."""
+    layers); ``timeline`` one COMPUTE event per action, a ``parlab.trace.Timeline``."""
 
     schedule: object
     times: dict
@@ -44,19 +44,17 @@ class Simulation:
     timeline: Timeline
 
     def plot(self, ax=None, title=None):
-        """Gantt chart of the simulated step (``parlab.viz.plot_timeline``): one row per
+        """Gantt chart of the simulated step (``Timeline.plot``): one row per
         rank, a block per action labelled with its kind and micro-batch, time in the
         simulator's units. Returns the axes."""
         from matplotlib.ticker import FuncFormatter
-
-        from parlab.viz import plot_timeline
 
         s = self.schedule
         title = title or (f"{s.name}: K = {s.num_ranks}, M = {s.num_microbatches}"
                           + (f", v = {s.stages_per_rank}" if s.stages_per_rank > 1 else "")
                           + f", bubble {float(self.bubble_fraction):.1%} (simulated)")
-        ax = plot_timeline(self.timeline, ax=ax, title=title)
-        # plot_timeline draws milliseconds; one simulator unit is one second of the Timeline.
+        ax = self.timeline.plot(ax=ax, title=title)
+        # a Timeline draws milliseconds; one simulator unit is one second of the Timeline.
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1e3:g}"))
         ax.set_xlabel("time (simulator units, those of t_f and t_b)")
         return ax

@@ -74,9 +74,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from parlab import trace
+from parlab import runtime, trace
 from parlab.memory import measure_model_state
-from parlab.runtime import device as rank_device
 from parlab.zero.units import FlatUnit, materialize_unit, plan_units
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -117,7 +116,7 @@ class FSDP(nn.Module):
         self.strategy, self.world_size, self.shard_group_size = strategy, N, S
         self.reshard_after_forward = strategy in ("FULL_SHARD", "HYBRID_SHARD")
         self.module = model
-        device = rank_device() if deferred else next(model.parameters()).device
+        device = runtime.device() if deferred else next(model.parameters()).device
         groups = _process_groups(N, S)  # (shard group, replicate group)
         self.units = []
         for index, plan in enumerate(plans):

@@ -50,8 +50,8 @@ import copy
 import torch
 
 from parlab import collectives, trace
-from parlab.memory import measure_model_state
 from parlab.flat import FlatLayout, all_gather, reduce_scatter
+from parlab.memory import measure_model_state
 
 STAGES = (0, 1, 2)
 
@@ -83,7 +83,8 @@ class ZeroDP(torch.nn.Module):
         if not self.trainable:
             raise ValueError("the model has no trainable parameters (requires_grad=True): there is nothing to train.")
         if len({(p.dtype, p.device) for p in self.trainable}) > 1 or not self.trainable[0].is_floating_point():
-            raise ValueError("the trainable parameters must share one floating dtype and device; call model.float() first.")
+            raise ValueError("the trainable parameters must share one floating dtype and device; "
+                             "call model.float() first.")
         self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         self.layout = FlatLayout([p.shape for p in self.trainable], self.world_size)
 
