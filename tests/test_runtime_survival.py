@@ -4,6 +4,7 @@ close() from another thread. Each test starts its own small cluster, since it br
 
 import os
 import signal
+import sys
 import textwrap
 import threading
 import time
@@ -11,12 +12,13 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from test_runtime import all_reduce_ranks, is_alive
+from test_runtime import all_reduce_ranks, is_alive, run_script
 
 import parlab
 from parlab.collectives import ring_allreduce
 
 pytestmark = pytest.mark.timeout(120)
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def kill_and_wait(pid, signum):
@@ -86,18 +88,44 @@ def _worker_processes():
     return found
 
 
-def test_a_worker_dying_while_starting_is_reported_and_the_others_stopped(tmp_path, monkeypatch):
-    # Python imports sitecustomize at start-up: here it kills rank 1 before it can join.
-    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
-        import json, os, signal
-        if json.loads(os.environ.get("PARLAB_WORKER", "{}")).get("rank") == 1:
-            os.kill(os.getpid(), signal.SIGKILL)
+def rank_1_at_start_up(tmp_path, action):
+    """Make rank 1's worker run ``action`` as its interpreter starts: Python imports
+    sitecustomize at start-up, from the folder returned, when it is on PYTHONPATH."""
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(f"""
+        import json, os, signal, time
+        if json.loads(os.environ.get("PARLAB_WORKER", "{{}}")).get("rank") == 1:
+            {action}
     """))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    return str(tmp_path)
+
+
+def test_a_worker_dying_while_starting_is_reported_and_the_others_stopped(tmp_path, monkeypatch):
+    kill = "os.kill(os.getpid(), signal.SIGKILL)"
+    monkeypatch.setenv("PYTHONPATH", rank_1_at_start_up(tmp_path, kill), prepend=os.pathsep)
     before = _worker_processes()
     with pytest.raises(RuntimeError, match="could not start: .*rank 1's worker was killed by SIGKILL while starting"):
         parlab.Cluster(world_size=2, start_timeout=60)
     assert _worker_processes() - before == set()
+
+
+def test_an_interrupted_start_leaves_no_worker_even_if_the_exception_is_kept(tmp_path):
+    # IPython keeps the last exception, and with it the half-made cluster, alive.
+    script = tmp_path / "start.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, threading, parlab
+        from test_runtime_survival import _worker_processes
+        threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+        try:
+            parlab.Cluster(world_size=2, start_timeout=60)
+        except KeyboardInterrupt as exc:
+            kept = exc
+        print("workers left:", sorted(_worker_processes()))
+    """))
+    paths = [rank_1_at_start_up(tmp_path, "time.sleep(60)"), TESTS, os.environ.get("PYTHONPATH")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)))
+    result = run_script([sys.executable, str(script)], timeout=90, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines()[-1] == "workers left: []"
 
 
 def test_a_worker_dying_while_its_process_group_is_rebuilt_is_reported_then_replaced():
