@@ -81,7 +81,8 @@ def rounding_band(reference, decomposed, factor=FACTOR, ulps=ULPS):
 
     - yardstick: max over the one-process results ``decomposed`` (a list: the same
       computation in the ranks' decomposition, e.g. one per ring order) of their max
-      abs difference from ``reference``;
+      abs difference from ``reference``; an empty list where the ranks do the very
+      operations of the reference and only their kernels may round differently;
     - floor: ulps x eps of the reference's dtype x its largest magnitude (0 for integers)."""
     if not isinstance(decomposed, list):
         raise ValueError("decomposed must be a list of one-process results (one per summation order)")

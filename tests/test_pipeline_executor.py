@@ -14,13 +14,13 @@ from torch import nn
 
 import parlab
 from parlab import trace
+from parlab.numerics import assert_equivalent, backward_in_shards, ring_orders
 from parlab.pipeline.executor import PipelineExecutor, SleepLayer, forward_step, partition, sleep_pipeline_step
 from parlab.pipeline.schedule import gpipe, make_schedule, one_f_one_b
 from parlab.pipeline.simulate import bubble_fraction, simulate
 
 IN, HIDDEN, OUT, LINEARS = 5, 12, 3, 8  # 8 Linear layers: up to K v = 8 stages of one Linear each
 BATCH, STEPS, LR = 24, 3, 0.1  # 24 samples split into M = 4, 6 or 8 micro-batches
-TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 SCHEDULE_CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)]
 
 
@@ -44,17 +44,24 @@ def full_batch(batch=BATCH):
 
 
 @functools.cache
-def reference():
-    """One process on the full batch: (gradients of step 1, parameters after STEPS SGD steps)."""
+def reference(microbatches=1, order=None):
+    """One process on the full batch: (gradients of step 1, parameters after STEPS SGD steps).
+    With ``microbatches`` > 1 the pipeline's arithmetic (parlab.numerics): the micro-batches'
+    gradients summed in ``order``, divided by M."""
     model = build_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    parts = list(zip(*(part.chunk(microbatches) for part in full_batch())))
     for step in range(STEPS):
-        optimizer.zero_grad()
-        F.mse_loss(model(full_batch()[0]), full_batch()[1]).backward()
+        backward_in_shards(lambda x, y: F.mse_loss(model(x), y), model.parameters(), parts, order)
         if step == 0:
             grads = {name: p.grad.clone() for name, p in model.named_parameters()}
         optimizer.step()
     return grads, {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def micro_batch_arithmetic(M):
+    """The yardstick's runs: ``reference`` with M micro-batches, in each ring order of them."""
+    return [reference(M, tuple(order)) for order in ring_orders(M)]
 
 
 def train_pipelined(name, K, M, v, checkpoint=None):
@@ -85,14 +92,14 @@ def assert_like_one_process(per_rank, K):
     grads = {name: g for rank_grads, _, _ in per_rank for name, g in rank_grads.items()}
     params = {name: p for _, rank_params, _ in per_rank for name, p in rank_params.items()}
     assert grads.keys() == expected_grads.keys()  # every parameter lives on exactly one rank
-    for name in expected_grads:
-        torch.testing.assert_close(grads[name], expected_grads[name], **TOLERANCE, msg=f"gradient of {name}")
-        torch.testing.assert_close(params[name], expected_params[name], **TOLERANCE, msg=f"{name} after {STEPS} steps")
+    M = len(per_rank[-1][2])
+    decomposed = micro_batch_arithmetic(M)
+    assert_equivalent(grads, expected_grads, [g for g, _ in decomposed], "gradients of step 1")
+    assert_equivalent(params, expected_params, [p for _, p in decomposed], f"parameters after {STEPS} steps")
     assert all(losses is None for _, _, losses in per_rank[:-1])
     model, (x, y) = build_mlp(), full_batch()
-    M = len(per_rank[-1][2])
     expected_losses = [F.mse_loss(model(xm), ym) for xm, ym in zip(x.split(BATCH // M), y.split(BATCH // M))]
-    torch.testing.assert_close(torch.stack(per_rank[-1][2]), torch.stack(expected_losses), **TOLERANCE)
+    assert_equivalent(per_rank[-1][2], expected_losses, [], "losses")  # the same forward: only the floor
 
 
 @pytest.mark.timeout(120)
@@ -126,7 +133,7 @@ def test_stages_on_one_rank_hand_over_in_memory_and_checkpointing_replays_dropou
         assert executor.meter.current == 0  # everything held for backward was freed
     for checkpoint in ["always", "except_last"]:
         for actual, expected in zip(grads[checkpoint], grads[None]):
-            torch.testing.assert_close(actual, expected, **TOLERANCE)
+            assert torch.equal(actual, expected), checkpoint  # the recomputed forward repeats the same operations
 
 
 def test_the_step_functions_are_a_seam():
@@ -149,7 +156,7 @@ def test_the_step_functions_are_a_seam():
     model = build_mlp()
     PipelineExecutor(gpipe(1, 4), {0: model}, F.mse_loss, backward_step=unscaled_backward).step(x, y)
     for actual, wanted in zip([p.grad for p in model.parameters()], expected):
-        torch.testing.assert_close(actual, wanted, **TOLERANCE)
+        assert torch.equal(actual, wanted)  # scaling by M = 4, a power of two, rounds the same
 
 
 def traced_gpipe_step():
@@ -208,9 +215,11 @@ def test_same_gradients_as_torch_pipelining(schedule_name, K, request):
             cluster.run(torch_and_parlab_gradients, schedule_name, 2 * K, timeout=60)):
         assert len(grads) == len(torch_grads) > 0
         for actual, expected in zip(grads, torch_grads):
-            torch.testing.assert_close(actual, expected, **TOLERANCE, msg=f"rank {rank}")
+            # The same sums in the same order, scaled by 1/M before (parlab) or after (torch):
+            # with M = 2K a power of two, the same bits.
+            assert torch.equal(actual, expected), f"rank {rank}"
         if rank == K - 1:
-            torch.testing.assert_close(torch.stack(losses), torch.stack(torch_losses), **TOLERANCE)
+            assert torch.equal(torch.stack(losses), torch.stack(torch_losses))
 
 
 @pytest.mark.timeout(120)
@@ -218,21 +227,34 @@ def test_same_gradients_as_torch_pipelining(schedule_name, K, request):
 def test_measured_bubble_matches_the_simulated_one(schedule, cluster4):
     """Sleep stages of 50 ms: a step lasts (M + K - 1)(t_f + t_b) = 1.1 s. What the
     simulator leaves out is the time between two spans on a rank (posting messages, waking
-    up when one arrives): about 0.2 ms on a quiet machine, 1 to 2 ms on 2 cores shared by
-    several busy processes. Over the 22 actions of the critical path that lengthens the
-    step by up to 3 %, and the bubble by up to 0.02: inside the 0.03 allowed, but close
-    when the machine is very busy, so a miss is retried once (a real defect misses twice)."""
+    up when one arrives): from 0.2 ms on a quiet machine to several ms on 2 cores shared by
+    busy processes. It is measured in the same run, as the yardstick: the same step with
+    stages that take no time is nothing but that overhead along the critical path, and it
+    lengthens the step, so the bubble, by at most overhead / step time. Allowed: 2 x that
+    (the load changes between the two steps); a miss is retried once (a real defect, such
+    as ranks that wait for each other's whole step, misses by far more, twice)."""
     t_f = t_b = 0.05
-    expected = simulate(schedule, t_f, t_b).bubble_fraction
-    assert expected == pytest.approx(3 / 11)
-    cluster4.run(sleep_pipeline_step, schedule, 0.001, 0.001, timeout=30)  # a fresh cluster's first call is slow
-    for attempt in range(2):
+    simulated = simulate(schedule, t_f, t_b)
+    expected = simulated.bubble_fraction
+    assert expected == pytest.approx(3 / 11)  # (K - 1) / (M + K - 1), in float64
+    cluster4.run(sleep_pipeline_step, schedule, 0.0, 0.0, timeout=30)  # a fresh cluster's first call is slow
+    for _ in range(2):
+        overhead = compute_makespan(cluster4.trace(sleep_pipeline_step, schedule, 0.0, 0.0, timeout=30))
+        allowed = 2 * overhead / simulated.step_time
         timeline = cluster4.trace(sleep_pipeline_step, schedule, t_f, t_b, timeout=30)
         measured = bubble_fraction(timeline)
-        if abs(measured - expected) <= 0.03:
+        if abs(measured - expected) <= allowed:
             break
-    assert measured == pytest.approx(expected, abs=0.03)
+    assert abs(measured - expected) <= allowed, (
+        f"measured bubble {measured:.3f}, simulated {expected:.3f}: more than 2 x the overhead of a step of stages "
+        f"that take no time ({overhead * 1e3:.1f} ms of a {simulated.step_time:.2f} s step) explains")
     assert len(timeline.select(kind=trace.COMPUTE)) == 4 * 2 * 8
+
+
+def compute_makespan(timeline):
+    """Seconds from the first compute span's start to the last one's end, on any rank."""
+    spans = timeline.select(kind=trace.COMPUTE)
+    return max(ev.end for ev in spans) - min(ev.start for ev in spans)
 
 
 def peak_activation_bytes(name, M):
@@ -297,10 +319,10 @@ def test_partition_balances_parameters_and_checks_requests():
 
 
 def test_sleep_layer_charges_b_and_w_separately():
-    layer = SleepLayer(0.0, 0.05, 0.1)
+    layer = SleepLayer(0.0, 0.05, 0.5)  # t_w 10 x t_b: a B that also slept W's time cannot pass for a slow B
     x = torch.ones(2, requires_grad=True)
     y = layer(x)
-    torch.testing.assert_close(y, x)
+    assert torch.equal(y, x)
     start = trace.now()
     (grad_x,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
     input_gradient_s = (trace.now() - start) / 1e9
@@ -308,4 +330,4 @@ def test_sleep_layer_charges_b_and_w_separately():
     (grad_w,) = torch.autograd.grad(y.sum(), layer.weight)
     weight_gradient_s = (trace.now() - start) / 1e9
     assert grad_x.tolist() == [1.0, 1.0] and grad_w.item() == 0.0
-    assert 0.05 <= input_gradient_s < 0.1 <= weight_gradient_s
+    assert 0.05 <= input_gradient_s < 0.5 <= weight_gradient_s  # a sleep lasts at least what it asks
