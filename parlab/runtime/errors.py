@@ -1,5 +1,7 @@
 """What the parent raises when ranks fail or hang: errors that name the ranks and show why."""
 
+import signal
+
 
 class RankError(RuntimeError):
     """One or more ranks raised an exception (or died) while running a function.
@@ -67,3 +69,34 @@ def _stacks(stuck):
         f"\n\n--- rank {r} (still running) ---\n{stack.rstrip() or '(no stack captured)'}"
         for r, stack in stuck.items()
     )
+
+
+def worker_ended(rank, code, when=None):
+    """How a worker ended, in one line: "rank 2's worker was killed by SIGKILL while idle
+    (out of memory?)". ``code`` is its exit status (negative: the signal; None: still
+    running, though its connection closed); ``when`` says what it was doing."""
+    if code is None:
+        how, hint = "closed its connection", None
+    elif code >= 0:
+        how, hint = f"exited with code {code}", None
+    else:
+        how = f"was killed by {signal.Signals(-code).name}"
+        # The kernel's out-of-memory killer ends a process with SIGKILL.
+        hint = "(out of memory?)" if -code == signal.SIGKILL else None
+    return " ".join(filter(None, [f"rank {rank}'s worker", how, when, hint]))
+
+
+def readable_stack(text):
+    """A faulthandler dump of a worker, keeping the threads that run user code, without the
+    worker's own plumbing frames."""
+    blocks = [block for block in text.strip().split("\n\n") if block]
+    kept = [
+        "\n".join(line for line in block.splitlines() if not _plumbing(line))
+        for block in blocks
+        if "in watch" not in block
+    ]
+    return "\n\n".join(kept)
+
+
+def _plumbing(line):
+    return "parlab/runtime/worker.py" in line or "<frozen runpy>" in line

@@ -27,6 +27,8 @@ import tempfile
 import time
 from multiprocessing.connection import Connection, wait
 
+from parlab.runtime.errors import readable_stack, worker_ended
+
 STACK_DUMP_WAIT_S = 2.0
 EXIT_WAIT_S = 5.0
 # The folder that holds the parlab package, for workers started from a parent that found it
@@ -96,31 +98,35 @@ class WorkerPool:
     def _wait_ready(self, bar):
         deadline = time.monotonic() + self.start_timeout
         while len(self._ready) < self.placement.world_size:
-            when = "while rebuilding its process group" if self._reinitialising else "while starting"
-            waiting = [c for r, c in enumerate(self._conns) if r not in self._ready]
-            if not wait(waiting, max(0.0, deadline - time.monotonic())):
-                late = sorted(set(self.ranks) - self._ready)
-                self._not_joined({r: (f"rank {r} did not join the process group within {self.start_timeout:g} s", "")
-                                  for r in late})
-            for conn in wait(waiting, 0):
-                rank = self._conns.index(conn)
-                message = self.receive(rank)
-                if message is None:
-                    self._not_joined({rank: (self.death_line(rank, when), self.last_output(rank))})
-                elif message[0] == "ready":
-                    self._ready.add(rank)
-                    if bar is not None:
-                        bar.update(1)
-                    continue
-                else:
-                    error = message[2].strip().splitlines()[-1]
-                    summary = f"rank {rank} could not join the process group {when}: {error}"
-                    self._not_joined({rank: (summary, message[2])})
-                # Every worker was replaced: wait for the new ones.
+            failed = self._await_joins(deadline, bar)
+            if failed:
+                self._not_joined(failed)  # gives up, or replaces every worker: wait for the new ones
+                deadline = time.monotonic() + self.start_timeout
                 if bar is not None:
                     bar.reset()
-                deadline = time.monotonic() + self.start_timeout
-                break
+
+    def _await_joins(self, deadline, bar):
+        """Take in the next "ready" messages; return the ranks that failed to join instead
+        (rank -> (summary, details)), or {}."""
+        when = "while rebuilding its process group" if self._reinitialising else "while starting"
+        waiting = [conn for rank, conn in enumerate(self._conns) if rank not in self._ready]
+        joined = wait(waiting, max(0.0, deadline - time.monotonic()))
+        if not joined:
+            late = sorted(set(self.ranks) - self._ready)
+            return {rank: (f"rank {rank} did not join the process group within {self.start_timeout:g} s", "")
+                    for rank in late}
+        for conn in joined:
+            rank = self._conns.index(conn)
+            message = self.receive(rank)
+            if message is None:
+                return {rank: (self.death_line(rank, when), self.last_output(rank))}
+            if message[0] != "ready":
+                error = message[2].strip().splitlines()[-1]
+                return {rank: (f"rank {rank} could not join the process group {when}: {error}", message[2])}
+            self._ready.add(rank)
+            if bar is not None:
+                bar.update(1)
+        return {}
 
     def _not_joined(self, reports):
         """Ranks that did not join (rank -> (summary, details)): workers that were re-joining
@@ -219,24 +225,15 @@ class WorkerPool:
             stacks = latest
             if settled:
                 break
-        return {rank: _readable_stack(text) for rank, text in stacks.items()}
+        return {rank: readable_stack(text) for rank, text in stacks.items()}
 
     def death_line(self, rank, when=None, wait_s=1.0):
-        """One line on how ``rank``'s worker ended: "rank 2's worker was killed by SIGKILL
-        while idle (out of memory?)"; ``when`` says in what it was busy."""
+        """One line on how ``rank``'s worker ended (see ``errors.worker_ended``)."""
         try:
             code = self._procs[rank].wait(timeout=wait_s)
         except subprocess.TimeoutExpired:
             code = None
-        if code is None:
-            how, hint = "closed its connection", None
-        elif code >= 0:
-            how, hint = f"exited with code {code}", None
-        else:
-            how = f"was killed by {signal.Signals(-code).name}"
-            # The kernel's out-of-memory killer ends a process with SIGKILL.
-            hint = "(out of memory?)" if -code == signal.SIGKILL else None
-        return " ".join(filter(None, [f"rank {rank}'s worker", how, when, hint]))
+        return worker_ended(rank, code, when)
 
     def last_output(self, rank):
         log = _read_from(self._files[rank][0], 0)[-3000:].rstrip()
@@ -315,18 +312,3 @@ def _read_from(file, offset):
     (the worker writes through a descriptor that shares it)."""
     size = os.fstat(file.fileno()).st_size
     return os.pread(file.fileno(), max(0, size - offset), offset).decode(errors="replace")
-
-
-def _readable_stack(text):
-    """Keep the threads that run user code, without the worker's own plumbing frames."""
-    blocks = [block for block in text.strip().split("\n\n") if block]
-    kept = [
-        "\n".join(line for line in block.splitlines() if not _plumbing(line))
-        for block in blocks
-        if "in watch" not in block
-    ]
-    return "\n\n".join(kept)
-
-
-def _plumbing(line):
-    return "parlab/runtime/worker.py" in line or "<frozen runpy>" in line
