@@ -15,7 +15,14 @@ from torch import nn
 
 from parlab.numerics import assert_equivalent, backward_in_shards, ring_orders
 from parlab.zero import FSDP, ZeroDP
-from parlab.zero.checkpoint import load_full, load_sharded, save_full, save_sharded
+from parlab.zero.checkpoint import (
+    full_state_dict,
+    load_full,
+    load_full_state_dict,
+    load_sharded,
+    save_full,
+    save_sharded,
+)
 
 BATCH, STEPS, LR = 8, 3, 1e-2
 
@@ -150,12 +157,12 @@ def train_on_after_loading(name):
     given and as it is now: loading must copy, not alias (torch keeps "step" tensors as given)."""
     engine = build_engine(name, 0, frozen=False)
     train(engine, 0, STEPS)
-    box = [engine.full_state_dict()]  # on rank 0; every rank loads it
+    box = [full_state_dict(engine)]  # on rank 0; every rank loads it
     dist.broadcast_object_list(box, src=0)
     state = box[0]
     given = copy.deepcopy(state)
     resumed = build_engine(name, 1, frozen=False)
-    resumed.load_full_state_dict(state)
+    load_full_state_dict(resumed, state)
     train(resumed, STEPS, STEPS)
     return given, state
 

@@ -401,7 +401,7 @@ def resume(tmp_path):
     """2 steps, save full and sharded state, 3 more steps; two fresh engines (other seeds,
     one NO_SHARD) load the saved states and take the same 3 steps."""
     engine = train(FSDP(build(seed=0), ADAM[0], wrap_policy="per_layer", **ADAM[1]), 2)
-    full = engine.full_state_dict()
+    full = checkpoint.full_state_dict(engine)
     checkpoint.save_full(engine, tmp_path / "full.pt")
     checkpoint.save_sharded(engine, tmp_path / "sharded")
     train(engine, 3)
@@ -410,7 +410,8 @@ def resume(tmp_path):
     from_shards = FSDP(build(seed=4), ADAM[0], wrap_policy="per_layer", **ADAM[1])
     checkpoint.load_sharded(from_shards, tmp_path / "sharded")
     try:
-        FSDP(build(seed=0), ADAM[0], **ADAM[1]).load_sharded_state_dict(engine.sharded_state_dict())
+        other_units = FSDP(build(seed=0), ADAM[0], **ADAM[1])
+        checkpoint.load_sharded_state_dict(other_units, checkpoint.sharded_state_dict(engine))
     except ValueError as error:
         mismatch = str(error)
     return (full, engine.full_parameters(), train(from_full, 3).full_parameters(),

@@ -15,24 +15,36 @@ A sharded checkpoint is what each rank holds, written in parallel without commun
 the fast way to stop and resume the same job. Its shards only make sense for the same
 N_d, so ``load_sharded`` refuses another world size; to change it, go through the full one.
 
-The engine provides ``full_state_dict()`` (a dict on rank 0, None elsewhere),
-``load_full_state_dict(sd)`` (sd given on every rank), ``sharded_state_dict()`` (with a
-"layout" entry describing its shards) and ``load_sharded_state_dict(sd)``. All four
-functions here are collective: call them on every rank, with a path every rank can see.
+The state dicts behind the files, for either engine:
+
+    full_state_dict(engine)               a dict on rank 0, None elsewhere (collective)
+    load_full_state_dict(engine, sd)      sd given on every rank; each keeps its shards
+    sharded_state_dict(engine)            this rank's part, with a "layout" entry
+    load_sharded_state_dict(engine, sd)   the same layout only
+
+Every function here is collective: call it on every rank (with a path every rank can see).
+An optimizer state shaped like its parameter (Adam's momentum and variance) is sharded like
+the parameters; anything else (the step count, which torch keeps as a 0-dim tensor, so that
+a 0-dim parameter's shape matches it: hence "step" is named) is copied whole.
 """
 
+import copy
 import json
 import os
 
 import torch
 import torch.distributed as dist
 
+from parlab.flat import all_gather
+from parlab.zero.fsdp import FSDP
+from parlab.zero.stages import ZeroDP
+
 METADATA = "metadata.json"
 
 
 def save_full(engine, path):
     """Gather the engine's full state on rank 0 and write it to ``path`` from rank 0."""
-    state_dict = engine.full_state_dict()
+    state_dict = full_state_dict(engine)
     if dist.get_rank() == 0:
         torch.save(state_dict, path)
     dist.barrier()  # the file exists for every rank once this returns
@@ -40,16 +52,16 @@ def save_full(engine, path):
 
 def load_full(engine, path):
     """Load a ``save_full`` checkpoint into ``engine``: every rank reads ``path``."""
-    engine.load_full_state_dict(torch.load(path))
+    load_full_state_dict(engine, torch.load(path))
 
 
 def save_sharded(engine, directory):
     """Each rank writes ``directory/rank{r}.pt``; rank 0 also writes ``metadata.json`` with
     the world size and every rank's layout."""
-    state_dict = engine.sharded_state_dict()
+    state_dict = sharded_state_dict(engine)
     os.makedirs(directory, exist_ok=True)
     layouts = [None] * dist.get_world_size()
-    dist.all_gather_object(layouts, state_dict.get("layout"))
+    dist.all_gather_object(layouts, state_dict["layout"])
     torch.save(state_dict, _rank_file(directory, dist.get_rank()))
     if dist.get_rank() == 0:
         with open(os.path.join(directory, METADATA), "w") as file:
@@ -68,7 +80,179 @@ def load_sharded(engine, directory):
             f"{dist.get_world_size()}: its shards fit {written_by} ranks only. To change the world size, "
             "save a full checkpoint (save_full) and load it with load_full."
         )
-    engine.load_sharded_state_dict(torch.load(_rank_file(directory, dist.get_rank())))
+    load_sharded_state_dict(engine, torch.load(_rank_file(directory, dist.get_rank())))
+
+
+def full_state_dict(engine):
+    """{"model": the plain model's state_dict (tied names, frozen parameters and buffers
+    included), "optimizer": the state_dict of ``optimizer_class(model.parameters())``} on
+    rank 0, None on the others. Every rank must call it: the shards are all-gathered."""
+    return _fsdp_full_state_dict(engine) if _is_fsdp(engine) else _zero_full_state_dict(engine)
+
+
+def load_full_state_dict(engine, state_dict):
+    """Load what ``full_state_dict`` returned (or a plain model's and optimizer's state dicts
+    in that format). Every rank passes the dict (e.g. each reads the same file) and copies
+    its own shards out of it, without communication."""
+    if _is_fsdp(engine):
+        _fsdp_load_full_state_dict(engine, state_dict)
+    else:
+        _zero_load_full_state_dict(engine, state_dict)
+
+
+def sharded_state_dict(engine):
+    """This rank's part, as copies: {"model": its shards of the parameters and what it holds
+    whole (frozen parameters, buffers), "optimizer": its inner optimizer's state_dict (over
+    the shards), "layout": what the shards are (engine, stage or strategy, world size, rank,
+    shapes; for FSDP per unit its parameter names, padded numel and shard bounds)}."""
+    if _is_fsdp(engine):
+        model = {"shards": {unit.name: unit.shard.detach().clone() for unit in engine.units},
+                 "buffers": {name: b.detach().clone() for name, b in engine.module.named_buffers()}}
+    else:
+        model = {"flat_shard": engine.layout.shard(engine.flat_param, engine.rank).clone(),
+                 "unsharded": {name: t.detach().clone() for name, t in engine.unsharded_tensors().items()}}
+    return {"model": model, "optimizer": copy.deepcopy(engine.optimizer.state_dict()), "layout": _layout(engine)}
+
+
+def load_sharded_state_dict(engine, state_dict):
+    """Load this rank's ``sharded_state_dict``, written by an engine of the same layout; the
+    full parameters are made from the loaded shards (ZeroDP: all-gathered now; FSDP: by the
+    next forward)."""
+    if state_dict["layout"] != _layout(engine):
+        same = "world size, strategy and units" if _is_fsdp(engine) else "stage, world size and model"
+        raise ValueError(
+            f"this sharded state dict was written for {state_dict['layout']}, not for this engine's "
+            f"{_layout(engine)}: load it with the same {same}, or save and load a full state dict instead "
+            "(it fits any engine, stage and world size)."
+        )
+    model = state_dict["model"]
+    with torch.no_grad():
+        if _is_fsdp(engine):
+            for unit in engine.units:
+                unit.shard.copy_(model["shards"][unit.name])
+                unit.free()  # the next forward gathers the loaded shards
+            for name, buffer in engine.module.named_buffers():
+                buffer.copy_(model["buffers"][name])
+        else:
+            engine.layout.shard(engine.flat_param, engine.rank).copy_(model["flat_shard"])
+            for name, tensor in engine.unsharded_tensors().items():
+                tensor.copy_(model["unsharded"][name])
+            all_gather(engine.flat_param, engine.layout)
+    engine.optimizer.load_state_dict(state_dict["optimizer"])
+
+
+# --- ZeroDP: one flat buffer; the optimizer steps this rank's shard of it ----------------------
+
+
+def _zero_full_state_dict(engine):
+    # every rank takes part in the all-gathers; only rank 0 assembles the dict
+    full_state = {key: _zero_gather(engine, value)
+                  for key, value in engine.optimizer.state.get(engine.shard, {}).items()}
+    if engine.rank != 0:
+        return None
+    index = {id(p): i for i, p in enumerate(engine.module.parameters())}
+    state = {
+        index[id(p)]: {key: _zero_piece(engine, value, position) for key, value in full_state.items()}
+        for position, p in enumerate(engine.trainable)
+    } if full_state else {}
+    group = {**engine.optimizer.state_dict()["param_groups"][0], "params": list(index.values())}
+    model = {name: tensor.detach().clone() for name, tensor in engine.module.state_dict().items()}
+    return {"model": model, "optimizer": {"state": state, "param_groups": [group]}}
+
+
+def _zero_load_full_state_dict(engine, state_dict):
+    engine.module.load_state_dict(state_dict["model"])  # copies into the flat buffer's views
+    index = {id(p): i for i, p in enumerate(engine.module.parameters())}
+    per_parameter = [state_dict["optimizer"]["state"].get(index[id(p)], {}) for p in engine.trainable]
+    state = {}
+    for key, value in per_parameter[0].items():
+        if key != "step" and torch.is_tensor(value) and value.shape == engine.trainable[0].shape:
+            flat = engine.layout.flatten([s[key] for s in per_parameter])
+            value = flat if engine.stage == 0 else engine.layout.shard(flat, engine.rank)
+        # torch's load_state_dict keeps a given tensor as it is: a copy, so that training on
+        # does not count up the caller's "step" (or change its other states).
+        state[key] = value.clone() if torch.is_tensor(value) else value
+    group = {**state_dict["optimizer"]["param_groups"][0], "params": [0]}
+    engine.optimizer.load_state_dict({"state": {0: state} if state else {}, "param_groups": [group]})
+
+
+def _zero_gather(engine, value):
+    """A state tensor of the shard's shape as the full padded flat tensor (stage 0 holds it
+    already); anything else (Adam's step count) as it is."""
+    if not torch.is_tensor(value) or value.shape != engine.shard.shape or engine.stage == 0:
+        return value
+    flat = torch.zeros_like(engine.flat_param)
+    engine.layout.shard(flat, engine.rank).copy_(value)
+    return all_gather(flat, engine.layout)
+
+
+def _zero_piece(engine, value, position):
+    if torch.is_tensor(value) and value.shape == engine.flat_param.shape:
+        return engine.layout.views(value)[position].clone()
+    return value.clone() if torch.is_tensor(value) else value
+
+
+# --- FSDP: one flat parameter per unit; the optimizer steps the units' shards ------------------
+
+
+def _fsdp_full_state_dict(engine):
+    full = engine.full_parameters()  # all-gathered on every rank
+    state = {}
+    for unit in engine.units:
+        for key, value in engine.optimizer.state.get(unit.shard, {}).items():
+            per_element = torch.is_tensor(value) and value.shape == unit.shard.shape
+            pieces = unit.layout.views(unit.gather_full(value)) if per_element else [value] * len(unit.names)
+            for name, piece in zip(unit.names, pieces):
+                # clone: a view would carry (and torch.save would write) the whole unit's storage
+                piece = piece.clone() if torch.is_tensor(piece) else copy.deepcopy(piece)
+                state.setdefault(engine.parameter_index[name], {})[key] = piece
+    if dist.get_rank() != 0:
+        return None
+    model = {alias: full[name] for alias, name in engine.parameter_aliases.items()}
+    model.update({name: buffer.detach().clone() for name, buffer in engine.module.named_buffers()})
+    group = {**engine.optimizer.state_dict()["param_groups"][0], "params": list(range(len(engine.parameter_index)))}
+    return {"model": model, "optimizer": {"state": state, "param_groups": [group]}}
+
+
+def _fsdp_load_full_state_dict(engine, state_dict):
+    model, saved = state_dict["model"], state_dict["optimizer"]
+    state = {}
+    with torch.no_grad():
+        for i, unit in enumerate(engine.units):
+            unit.shard.copy_(unit.shard_of([model[name] for name in unit.names]))
+            per_parameter = [saved["state"].get(engine.parameter_index[name], {}) for name in unit.names]
+            shape = model[unit.names[0]].shape
+            state[i] = {key: unit.shard_of([s[key] for s in per_parameter])
+                        if key != "step" and torch.is_tensor(value) and value.shape == shape
+                        else copy.deepcopy(value)  # the optimizer would keep the caller's tensor
+                        for key, value in per_parameter[0].items()}
+            unit.free()  # the next forward gathers the loaded shards
+        for name, buffer in engine.module.named_buffers():
+            buffer.copy_(model[name])
+    group = {**saved["param_groups"][0], "params": list(range(len(engine.units)))}
+    engine.optimizer.load_state_dict({"state": {i: s for i, s in state.items() if s}, "param_groups": [group]})
+
+
+# --- both ------------------------------------------------------------------------------------
+
+
+def _is_fsdp(engine):
+    if not isinstance(engine, (ZeroDP, FSDP)):
+        raise ValueError(f"checkpoints here are for parlab's sharded engines, ZeroDP and FSDP, not "
+                         f"{type(engine).__name__}: save a plain module with torch.save(module.state_dict(), path).")
+    return isinstance(engine, FSDP)
+
+
+def _layout(engine):
+    """What this rank's shards are: a sharded state dict loads only into the same layout."""
+    if not _is_fsdp(engine):
+        return {"engine": "ZeroDP", "stage": engine.stage, "world_size": engine.world_size, "rank": engine.rank,
+                "shapes": [list(shape) for shape in engine.layout.shapes]}
+    return {"engine": "FSDP", "strategy": engine.strategy, "world_size": engine.world_size,
+            "shard_group_size": engine.shard_group_size, "rank": dist.get_rank(),
+            "units": [{"name": u.name, "parameters": list(u.names), "shapes": [list(s) for s in u.layout.shapes],
+                       "padded_numel": u.layout.padded_numel, "shard_bounds": list(u.layout.shard_bounds(u.rank))}
+                      for u in engine.units]}
 
 
 def _rank_file(directory, rank):

@@ -12,7 +12,8 @@ N_d shards. Rank r keeps shard (r + 1) mod N_d as an fp32 ``nn.Parameter``: the 
 (the torch class given, over the shards) steps it, and since Adam, AdamW and SGD with
 momentum are elementwise, that equals the same optimizer on the full parameters.
 
-The flow of one step, unit by unit (FULL_SHARD):
+The flow of one step, unit by unit (FULL_SHARD; ``FlatUnit``, below the engine, is one unit
+on one rank: ``gather``, ``free``, ``reduce_gradient``):
 
     forward   pre-hook:   all-gather the unit's shards into its full flat buffer; the module's
                           parameters become views of that buffer
@@ -53,8 +54,8 @@ with reduce_dtype = param_dtype: half the bytes on the wire); the shards the opt
 and its state stay fp32 (master weights). cpu_offload=True keeps the shards, their gradients and
 the optimizer state in CPU memory; each gather copies the shard to the device.
 
-Construction: rank 0's initial parameters are broadcast unit by unit (dist.broadcast over all
-ranks), so every rank starts from them. A model built on the meta device is materialised one
+Construction: rank 0's initial parameters are broadcast unit by unit (``parlab.p2p.broadcast``
+over all ranks), so every rank starts from them. A model built on the meta device is materialised one
 unit at a time (``parlab.zero.units.materialize_unit``: seeded init_seed + unit index), sharded,
 and its full copy dropped before the next: the peak is one unit, not the model; ``init_by_unit``
 initialises an ordinary model the same way, for a reference. Buffers are broadcast from rank 0
@@ -64,9 +65,9 @@ Gradient accumulation: a second backward before ``step`` reduce-scatters again a
 shard gradients (communication every backward: there is no no_sync here). Limits: every
 trainable parameter is sharded (frozen ones raise ValueError); a unit's parameters may be used
 only inside that unit's forward (tied weights belong to the unit around all their uses).
+Checkpoints (full and sharded state dicts, files): ``parlab.zero.checkpoint``.
 """
 
-import copy
 import functools
 
 import torch
@@ -74,9 +75,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from parlab import runtime, trace
+from parlab import p2p, runtime, trace
+from parlab.collectives import ring_all_gather, ring_allreduce, ring_reduce_scatter
+from parlab.flat import FlatLayout
 from parlab.memory import measure_model_state
-from parlab.zero.units import FlatUnit, materialize_unit, plan_units
+from parlab.zero.units import materialize_unit, plan_units
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -129,7 +132,7 @@ class FSDP(nn.Module):
             raise ValueError("buffers of modules without parameters stay on the meta device: create them "
                              "on a real device, or give them to a module that has parameters.")
         for buffer in model.buffers():
-            dist.broadcast(buffer, src=0)
+            p2p.broadcast(buffer, src=0)
         self.mixed_precision = mixed_precision
         self.shards = nn.ParameterList([unit.shard for unit in self.units])
         self.optimizer = optimizer_class(list(self.shards), **opt_kwargs)
@@ -189,80 +192,90 @@ class FSDP(nn.Module):
         return {name: view.clone() for unit in self.units
                 for name, view in zip(unit.names, unit.layout.views(unit.gather_full(unit.shard.detach())))}
 
-    def full_state_dict(self):
-        """What one process would hold, as ``ZeroDP.full_state_dict``: {"model": the plain
-        model's state_dict (tied names and buffers included), "optimizer": the state_dict of
-        ``optimizer_class(model.parameters())``} on rank 0, None on the others. Every rank
-        must call it: the shards and per-element optimizer states are all-gathered."""
-        full = self.full_parameters()
-        state = {}
-        for unit in self.units:
-            for key, value in self.optimizer.state.get(unit.shard, {}).items():
-                per_element = torch.is_tensor(value) and value.shape == unit.shard.shape
-                pieces = unit.layout.views(unit.gather_full(value)) if per_element else [value] * len(unit.names)
-                for name, piece in zip(unit.names, pieces):
-                    # clone: a view would carry (and torch.save would write) the whole unit's storage
-                    piece = piece.clone() if torch.is_tensor(piece) else copy.deepcopy(piece)
-                    state.setdefault(self.parameter_index[name], {})[key] = piece
-        if dist.get_rank() != 0:
-            return None
-        model = {alias: full[name] for alias, name in self.parameter_aliases.items()}
-        model.update({name: buffer.detach().clone() for name, buffer in self.module.named_buffers()})
-        group = {**self.optimizer.state_dict()["param_groups"][0], "params": list(range(len(self.parameter_index)))}
-        return {"model": model, "optimizer": {"state": state, "param_groups": [group]}}
 
-    def load_full_state_dict(self, state_dict):
-        """Load a ``full_state_dict`` (or a plain model's and optimizer's, in that format).
-        Every rank passes the dict (each reads the file, as ``checkpoint.load_full`` does) and
-        keeps its own shards: no communication. An optimizer state shaped like its parameter
-        is sharded, except "step" (torch keeps the step count as a 0-dim tensor)."""
-        model, saved = state_dict["model"], state_dict["optimizer"]
-        state = {}
-        with torch.no_grad():
-            for i, unit in enumerate(self.units):
-                unit.shard.copy_(unit.shard_of([model[name] for name in unit.names]))
-                per_parameter = [saved["state"].get(self.parameter_index[name], {}) for name in unit.names]
-                shape = model[unit.names[0]].shape
-                state[i] = {key: unit.shard_of([s[key] for s in per_parameter])
-                            if key != "step" and torch.is_tensor(value) and value.shape == shape
-                            else copy.deepcopy(value)  # the optimizer would keep the caller's tensor
-                            for key, value in per_parameter[0].items()}
-                unit.free()  # the next forward gathers the loaded shards
-            for name, buffer in self.module.named_buffers():
-                buffer.copy_(model[name])
-        group = {**saved["param_groups"][0], "params": list(range(len(self.units)))}
-        self.optimizer.load_state_dict({"state": {i: s for i, s in state.items() if s}, "param_groups": [group]})
+class FlatUnit:
+    """One unit's flat parameter on this rank: ``shard``, the fp32 Parameter the optimizer
+    steps (padded numel / S elements), and ``full``, the padded flat buffer in the compute
+    dtype, whose storage is allocated only while the unit is gathered (a leaf: the module's
+    parameters are views of it, so its ``.grad`` is the unit's flat gradient)."""
 
-    def sharded_state_dict(self):
-        """This rank's part, as copies: {"model": {"shards": {unit name: fp32 shard},
-        "buffers": {name: buffer}}, "optimizer": the inner optimizer's state_dict (over the
-        shards), "layout": what the shards are (engine, strategy, world size, shard group size,
-        rank, and per unit its parameter names, shapes, padded numel and shard bounds)}."""
-        return {"model": {"shards": {unit.name: unit.shard.detach().clone() for unit in self.units},
-                          "buffers": {name: b.detach().clone() for name, b in self.module.named_buffers()}},
-                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-                "layout": self._layout()}
+    def __init__(self, plan, index, groups, device, compute_dtype, shard_device):
+        self.name, self.index, self.module, self.device = plan.name, index, plan.module, device
+        self.names, self.slots = plan.names, plan.slots
+        (self.shard_group, S), (self.replicate_group, self.replicas) = groups
+        self.layout = FlatLayout([p.shape for p in plan.parameters], S)
+        self.rank = dist.get_rank() % S  # the place in the shard group
+        flat = self.layout.flatten([p.detach() for p in plan.parameters], torch.float32, device)
+        p2p.broadcast(flat, src=0)  # the replicas start from rank 0's values
+        mine = self.layout.shard(flat, self.rank).to(shard_device, copy=True)
+        self.shard = nn.Parameter(mine)
+        if S == 1 and compute_dtype == torch.float32 and shard_device == device:
+            self.full = mine.detach().requires_grad_()  # NO_SHARD in fp32: one storage, as DDP
+        else:
+            self.full = flat.to(compute_dtype).requires_grad_()
+        for slots in self.slots:
+            for module, attribute in slots:
+                del module._parameters[attribute]
+        plan.parameters.clear()  # the unit's full copy goes now, before the next unit's
+        self.set_views()
+        self.free()
 
-    def load_sharded_state_dict(self, state_dict):
-        """Load this rank's ``sharded_state_dict``, saved by an engine with the same layout."""
-        if state_dict["layout"] != self._layout():
-            raise ValueError(f"this sharded state dict was saved for {state_dict['layout']}, not for this "
-                             f"engine's {self._layout()}: load it with the same world size, strategy and units, "
-                             "or save and load a full state dict instead.")
-        with torch.no_grad():
-            for unit in self.units:
-                unit.shard.copy_(state_dict["model"]["shards"][unit.name])
-                unit.free()
-            for name, buffer in self.module.named_buffers():
-                buffer.copy_(state_dict["model"]["buffers"][name])
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+    def gather(self):
+        """Make the full buffer hold every rank's shard (a no-op if it does): all-gather within
+        the shard group (a copy of the shard, cast to the compute dtype, when S = 1)."""
+        if self.gathered:
+            return
+        with trace.span("all-gather", stage=self.index), torch.no_grad():
+            full = self.full.data  # not .detach(): its writes would bump the version autograd checks
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            self.layout.shard(full, self.rank).copy_(self.shard)
+            if self.layout.world_size > 1:
+                ring_all_gather(full, check=False, group=self.shard_group)
+        self.gathered = True
 
-    def _layout(self):
-        return {"engine": "FSDP", "strategy": self.strategy, "world_size": self.world_size,
-                "shard_group_size": self.shard_group_size, "rank": dist.get_rank(),
-                "units": [{"name": u.name, "parameters": list(u.names), "shapes": [list(s) for s in u.layout.shapes],
-                           "padded_numel": u.layout.padded_numel, "shard_bounds": list(u.layout.shard_bounds(u.rank))}
-                          for u in self.units]}
+    def set_views(self):
+        """Put views of the full buffer in the module's parameter slots (made in forward, so
+        autograd routes their gradients into ``full.grad``)."""
+        for view, slots in zip(self.layout.views(self.full), self.slots):
+            for module, attribute in slots:
+                setattr(module, attribute, view)
+
+    def free(self):
+        self.gathered = False
+        if self.layout.world_size > 1:
+            self.full.untyped_storage().resize_(0)
+
+    def reduce_gradient(self, full):
+        """Post-accumulate-grad hook of ``full``: average the flat gradient over the N_d ranks
+        (reduce-scatter within the shard group, then all-reduce across the replicate group),
+        add this rank's part to the shard's .grad, free the full buffer and its gradient."""
+        S = self.layout.world_size
+        with trace.span("reduce-scatter" if S > 1 else "all-reduce", stage=self.index), torch.no_grad():
+            if S > 1:
+                ring_reduce_scatter(full.grad, op="avg", check=False, group=self.shard_group)
+            mine = self.layout.shard(full.grad, self.rank)
+            if self.replicas > 1:
+                ring_allreduce(mine, op="avg", check=False, group=self.replicate_group)
+            # a copy unless it is the whole buffer: a view would keep the full gradient alive
+            mine = mine.to(self.shard.device, self.shard.dtype, copy=S > 1)
+            self.shard.grad = mine if self.shard.grad is None else self.shard.grad.add_(mine)
+        full.grad = None
+        self.free()
+
+    def shard_of(self, tensors):
+        """The unit's full tensors (its parameters, or one optimizer state of each) -> this
+        rank's fp32 shard of them, on the shard's device."""
+        flat = self.layout.flatten(tensors, torch.float32, self.device)
+        return self.layout.shard(flat, self.rank).to(self.shard.device, copy=True)
+
+    def gather_full(self, shard_like):
+        """A shard-shaped tensor of this rank (the shard, an optimizer state) -> the padded flat
+        of the whole unit, on every rank (a fresh buffer: the compute one is not touched)."""
+        flat = torch.zeros(self.layout.padded_numel, dtype=shard_like.dtype, device=self.device)
+        self.layout.shard(flat, self.rank).copy_(shard_like)
+        if self.layout.world_size > 1:
+            ring_all_gather(flat, check=False, group=self.shard_group)
+        return flat
 
 
 def _shard_group_size(strategy, N, shard_group_size):

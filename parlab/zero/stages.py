@@ -41,15 +41,15 @@ implemented in DeepSpeed reduce-scatters buckets during backward, so the full gr
 never exists at once; this engine keeps to one RS after backward, for clarity.)
 
 Frozen parameters (``requires_grad=False``) are left as they are: not flattened, not
-sharded, not counted. Construction broadcasts rank 0's trainable parameters (one broadcast
-of the flat buffer), frozen parameters and buffers, so the replicas start equal.
+sharded, not counted. Construction broadcasts rank 0's trainable parameters (one
+``parlab.p2p.broadcast`` of the flat buffer), frozen parameters and buffers, so the replicas
+start equal. Checkpoints (full and sharded state dicts, files): ``parlab.zero.checkpoint``.
 """
 
-import copy
 
 import torch
 
-from parlab import collectives, trace
+from parlab import p2p, trace
 from parlab.flat import FlatLayout, all_gather, reduce_scatter
 from parlab.memory import measure_model_state
 
@@ -89,8 +89,8 @@ class ZeroDP(torch.nn.Module):
         self.layout = FlatLayout([p.shape for p in self.trainable], self.world_size)
 
         self.flat_param = self.layout.flatten([p.detach() for p in self.trainable])
-        for tensor in [self.flat_param, *self._unsharded().values()]:
-            collectives.tree_broadcast(tensor, root=0, check=False)  # rank 0's initial values
+        for tensor in [self.flat_param, *self.unsharded_tensors().values()]:
+            p2p.broadcast(tensor, src=0)  # the replicas start from rank 0's values
         with torch.no_grad():
             for p, view in zip(self.trainable, self.layout.views(self.flat_param)):
                 p.data = view  # the module now computes with the flat buffer
@@ -155,66 +155,6 @@ class ZeroDP(torch.nn.Module):
         """{name: full parameter}, frozen ones included: every rank holds them all already."""
         return {name: p.detach().clone() for name, p in self.module.named_parameters()}
 
-    def full_state_dict(self):
-        """{"model": module state dict, "optimizer": state dict of a plain optimizer built as
-        ``optimizer_class(model.parameters())``} on rank 0, None on the others. Every rank
-        must call it: at stages 1, 2 the optimizer state is all-gathered."""
-        full_state = {key: self._gather(value) for key, value in self.optimizer.state.get(self.shard, {}).items()}
-        if self.rank != 0:
-            return None
-        index = {id(p): i for i, p in enumerate(self.module.parameters())}
-        state = {
-            index[id(p)]: {key: self._piece(value, position) for key, value in full_state.items()}
-            for position, p in enumerate(self.trainable)
-        } if full_state else {}
-        group = {**self.optimizer.state_dict()["param_groups"][0], "params": list(index.values())}
-        model = {name: tensor.detach().clone() for name, tensor in self.module.state_dict().items()}
-        return {"model": model, "optimizer": {"state": state, "param_groups": [group]}}
-
-    def load_full_state_dict(self, state_dict):
-        """Load what ``full_state_dict`` returned. Every rank passes the dict (e.g. each reads
-        the same file): each copies the parameters and its own shard of the optimizer state,
-        without communication. An optimizer state shaped like its parameter is sharded, except
-        "step" (torch keeps the step count as a 0-dim tensor, which a 0-dim parameter matches)."""
-        self.module.load_state_dict(state_dict["model"])  # copies into the flat buffer's views
-        index = {id(p): i for i, p in enumerate(self.module.parameters())}
-        per_parameter = [state_dict["optimizer"]["state"].get(index[id(p)], {}) for p in self.trainable]
-        state = {}
-        for key, value in per_parameter[0].items():
-            if key != "step" and torch.is_tensor(value) and value.shape == self.trainable[0].shape:
-                value = self._my_part(self.layout.flatten([s[key] for s in per_parameter]))
-            # torch's load_state_dict keeps a given "step" tensor as it is: a copy, so that
-            # training on does not count up the caller's dict.
-            state[key] = value.clone() if torch.is_tensor(value) else value
-        group = {**state_dict["optimizer"]["param_groups"][0], "params": [0]}
-        self.optimizer.load_state_dict({"state": {0: state} if state else {}, "param_groups": [group]})
-
-    def sharded_state_dict(self):
-        """This rank's part: its shard of the flat parameters, the frozen parameters and
-        buffers (whole), its optimizer's state dict (the whole state at stage 0), and the
-        layout it belongs to."""
-        return {
-            "model": {"flat_shard": self.layout.shard(self.flat_param, self.rank).clone(),
-                      "unsharded": {name: t.detach().clone() for name, t in self._unsharded().items()}},
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-            "layout": self._layout_metadata(),
-        }
-
-    def load_sharded_state_dict(self, state_dict):
-        """Load this rank's ``sharded_state_dict``, written by an engine of the same stage,
-        world size and parameters; then all-gather the parameters."""
-        if state_dict["layout"] != self._layout_metadata():
-            raise ValueError(
-                f"this sharded state dict was written for {state_dict['layout']}, not for this engine's "
-                f"{self._layout_metadata()}; load the full state dict to change stage, world size or model."
-            )
-        with torch.no_grad():
-            self.layout.shard(self.flat_param, self.rank).copy_(state_dict["model"]["flat_shard"])
-            for name, tensor in self._unsharded().items():
-                tensor.copy_(state_dict["model"]["unsharded"][name])
-        all_gather(self.flat_param, self.layout)
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-
     def _check_gradients(self):
         views = [] if self.flat_grad is None else self.layout.views(self.flat_grad)
         if not views or any(p.grad is None or p.grad.data_ptr() != v.data_ptr() for p, v in zip(self.trainable, views)):
@@ -233,28 +173,7 @@ class ZeroDP(torch.nn.Module):
         for p in self.trainable:
             p.grad = None
 
-    def _unsharded(self):
+    def unsharded_tensors(self):
         """Frozen parameters and buffers by name: whole on every rank."""
         frozen = {name: p for name, p in self.module.named_parameters() if not p.requires_grad}
         return {**frozen, **dict(self.module.named_buffers())}
-
-    def _layout_metadata(self):
-        return {"engine": "ZeroDP", "stage": self.stage, "world_size": self.world_size, "rank": self.rank,
-                "shapes": [list(shape) for shape in self.layout.shapes]}
-
-    def _gather(self, value):
-        """A state tensor of the shard's shape, as the full padded flat tensor (stage 0 holds
-        it already); anything else (Adam's step count) as it is."""
-        if not torch.is_tensor(value) or value.shape != self.shard.shape or self.stage == 0:
-            return value
-        flat = torch.zeros_like(self.flat_param)
-        self.layout.shard(flat, self.rank).copy_(value)
-        return all_gather(flat, self.layout)
-
-    def _piece(self, value, position):
-        if torch.is_tensor(value) and value.shape == self.flat_param.shape:
-            return self.layout.views(value)[position].clone()
-        return value.clone() if torch.is_tensor(value) else value
-
-    def _my_part(self, flat):
-        return flat if self.stage == 0 else self.layout.shard(flat, self.rank).clone()

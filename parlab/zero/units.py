@@ -1,6 +1,6 @@
-"""FSDP units: which parameters of a model travel together as one flat parameter, how a model
-built on the meta device is materialised one unit at a time, and a unit's flat parameter on
-one rank (``FlatUnit``: gather it, free it, reduce its gradient).
+"""FSDP units: which parameters of a model travel together as one flat parameter, and how a
+model built on the meta device is materialised one unit at a time. (What a unit does on a
+rank, gather, free and reduce its gradient, is ``parlab.zero.fsdp.FlatUnit``.)
 
 A wrap policy picks unit modules; each unit's parameters become one flat parameter that FSDP
 gathers just before the unit's forward and frees after it. The model itself is always the
@@ -24,12 +24,7 @@ without parameters is dropped.
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
-
-from parlab import trace
-from parlab.collectives import ring_all_gather, ring_allreduce, ring_reduce_scatter
-from parlab.flat import FlatLayout
 
 
 @dataclass(frozen=True)
@@ -122,91 +117,6 @@ def init_by_unit(model, wrap_policy=None, init_fn=None, seed=0):
         for index, plan in enumerate(plan_units(model, wrap_policy)):
             materialize_unit(plan, index, device, init_fn, seed)
     return model
-
-
-class FlatUnit:
-    """One unit's flat parameter on this rank: ``shard``, the fp32 Parameter the optimizer
-    steps (padded numel / S elements), and ``full``, the padded flat buffer in the compute
-    dtype, whose storage is allocated only while the unit is gathered (a leaf: the module's
-    parameters are views of it, so its ``.grad`` is the unit's flat gradient)."""
-
-    def __init__(self, plan, index, groups, device, compute_dtype, shard_device):
-        self.name, self.index, self.module, self.device = plan.name, index, plan.module, device
-        self.names, self.slots = plan.names, plan.slots
-        (self.shard_group, S), (self.replicate_group, self.replicas) = groups
-        self.layout = FlatLayout([p.shape for p in plan.parameters], S)
-        self.rank = dist.get_rank() % S  # the place in the shard group
-        flat = self.layout.flatten([p.detach() for p in plan.parameters], torch.float32, device)
-        dist.broadcast(flat, src=0)
-        mine = self.layout.shard(flat, self.rank).to(shard_device, copy=True)
-        self.shard = nn.Parameter(mine)
-        if S == 1 and compute_dtype == torch.float32 and shard_device == device:
-            self.full = mine.detach().requires_grad_()  # NO_SHARD in fp32: one storage, as DDP
-        else:
-            self.full = flat.to(compute_dtype).requires_grad_()
-        for slots in self.slots:
-            for module, attribute in slots:
-                del module._parameters[attribute]
-        plan.parameters.clear()  # the unit's full copy goes now, before the next unit's
-        self.set_views()
-        self.free()
-
-    def gather(self):
-        """Make the full buffer hold every rank's shard (a no-op if it does): all-gather within
-        the shard group (a copy of the shard, cast to the compute dtype, when S = 1)."""
-        if self.gathered:
-            return
-        with trace.span("all-gather", stage=self.index), torch.no_grad():
-            full = self.full.data  # not .detach(): its writes would bump the version autograd checks
-            full.untyped_storage().resize_(full.numel() * full.element_size())
-            self.layout.shard(full, self.rank).copy_(self.shard)
-            if self.layout.world_size > 1:
-                ring_all_gather(full, check=False, group=self.shard_group)
-        self.gathered = True
-
-    def set_views(self):
-        """Put views of the full buffer in the module's parameter slots (made in forward, so
-        autograd routes their gradients into ``full.grad``)."""
-        for view, slots in zip(self.layout.views(self.full), self.slots):
-            for module, attribute in slots:
-                setattr(module, attribute, view)
-
-    def free(self):
-        self.gathered = False
-        if self.layout.world_size > 1:
-            self.full.untyped_storage().resize_(0)
-
-    def reduce_gradient(self, full):
-        """Post-accumulate-grad hook of ``full``: average the flat gradient over the N_d ranks
-        (reduce-scatter within the shard group, then all-reduce across the replicate group),
-        add this rank's part to the shard's .grad, free the full buffer and its gradient."""
-        S = self.layout.world_size
-        with trace.span("reduce-scatter" if S > 1 else "all-reduce", stage=self.index), torch.no_grad():
-            if S > 1:
-                ring_reduce_scatter(full.grad, op="avg", check=False, group=self.shard_group)
-            mine = self.layout.shard(full.grad, self.rank)
-            if self.replicas > 1:
-                ring_allreduce(mine, op="avg", check=False, group=self.replicate_group)
-            # a copy unless it is the whole buffer: a view would keep the full gradient alive
-            mine = mine.to(self.shard.device, self.shard.dtype, copy=S > 1)
-            self.shard.grad = mine if self.shard.grad is None else self.shard.grad.add_(mine)
-        full.grad = None
-        self.free()
-
-    def shard_of(self, tensors):
-        """The unit's full tensors (its parameters, or one optimizer state of each) -> this
-        rank's fp32 shard of them, on the shard's device."""
-        flat = self.layout.flatten(tensors, torch.float32, self.device)
-        return self.layout.shard(flat, self.rank).to(self.shard.device, copy=True)
-
-    def gather_full(self, shard_like):
-        """A shard-shaped tensor of this rank (the shard, an optimizer state) -> the padded flat
-        of the whole unit, on every rank (a fresh buffer: the compute one is not touched)."""
-        flat = torch.zeros(self.layout.padded_numel, dtype=shard_like.dtype, device=self.device)
-        self.layout.shard(flat, self.rank).copy_(shard_like)
-        if self.layout.world_size > 1:
-            ring_all_gather(flat, check=False, group=self.shard_group)
-        return flat
 
 
 def _reset_parameters(module):
