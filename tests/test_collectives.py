@@ -48,10 +48,10 @@ def compare_with_torch():
     failures = []
     for case, (shape, dtype) in enumerate((s, d) for s in SHAPES for d in (torch.float32, torch.int64)):
         generator = torch.Generator().manual_seed(1000 * case + rank)
-        if dtype.is_floating_point:
-            x = torch.randn(shape, generator=generator)
-        else:
-            x = torch.randint(-1000, 1000, shape, generator=generator)
+        # Floats are multiples of 1/8 below 500 in size: every sum of up to 4 of them is exact in
+        # fp32 whatever the order, and "avg" divides that exact sum once, so results must be equal.
+        x = torch.randint(-4000, 4000, shape, generator=generator)
+        x = x / 8 if dtype.is_floating_point else x
         broadcast = x.clone()
         dist.broadcast(broadcast, root)
         checks = [("tree_broadcast", tree_broadcast(x.clone(), root=root), broadcast)]
@@ -81,11 +81,7 @@ def torch_reduce(x, op, root=None):
 
 
 def same(got, expected):
-    if got.shape != expected.shape or got.dtype != expected.dtype:
-        return False
-    if got.dtype.is_floating_point:  # the ring sums in another order than gloo
-        return torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
-    return torch.equal(got, expected)
+    return got.shape == expected.shape and got.dtype == expected.dtype and torch.equal(got, expected)
 
 
 @pytest.mark.timeout(90)
