@@ -134,9 +134,12 @@ class Cluster:
                 raise
             stuck = self._stop_stuck_ranks(done) if len(done) < self.world_size else {}
             _print_outputs(outputs)
-            self._check_open()
-
             failures = {rank: detail for rank, (ok, detail, _) in done.items() if not ok}
+            if (failures or stuck) and self._closing:
+                raise RuntimeError(
+                    "this cluster was closed during the call (by close() in another thread), which stopped its "
+                    "workers; create a new parlab.Cluster."
+                )
             if failures:
                 # A failed call may leave unmatched messages in the process group: rebuild it,
                 # in the same processes when all are alive (fast), else with new ones.
