@@ -42,6 +42,7 @@ def test_a_worker_killed_while_idle_is_reported_once_then_replaced(call):
         assert str(info.value).startswith("rank 1's worker was killed by SIGKILL while idle (out of memory?).")
         assert "run it again" in str(info.value).splitlines()[0]
         assert victim not in cluster.pids
+        assert repr(cluster).endswith("; restarting>")  # the new workers join during the next call
 
         result = getattr(cluster, call)(all_reduce_ranks)
         assert (result if call == "run" else result.results) == [1.0, 1.0]
