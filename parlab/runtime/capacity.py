@@ -4,8 +4,9 @@ Every rank is a whole process. Measured on a 2-core x86-64 Linux machine with to
 (CPU build), one idle rank (Python, torch imported, a gloo process group joined) holds
 220 MiB of resident memory, of which 77 MiB are torch's shared libraries, paid once for
 all ranks, and 143 MiB are its own. Starting a rank costs about 1.2 CPU-seconds (4 ranks
-start in 2.2 s on 2 cores, 16 in 11 s, 100 in 92 s). The parent holds 5 file descriptors
-per rank and each rank about one per other rank (gloo connects every pair).
+start in 2.2 s on 2 cores, 16 in 11 s; 100 took 92 s on a learner's 2-core machine). The
+parent holds 5 file descriptors per rank and each rank about one per other rank (gloo
+connects every pair).
 
 From these numbers:
 - a start is slow (seconds of silence) beyond ``SLOW_START_RANKS_PER_CORE`` ranks per core:
@@ -25,9 +26,9 @@ START_CPU_S_PER_RANK = 1.2
 # 2 ranks per core keep the usual 4-rank cluster on a 2-core laptop quiet (a 2 s start);
 # 3 or more per core take over 3 s, growing linearly, so they show their progress.
 SLOW_START_RANKS_PER_CORE = 2
-# 4 ranks per core take 5 s to start; a small all-reduce call then costs 4 times what it
-# does at 1 rank per core (measured: 3 ms with 2 ranks on 2 cores, 22 ms with 8, 85 ms
-# with 24), and lessons about time stop showing what they teach.
+# 4 ranks per core take 5 s to start, and a call with a small all-reduce takes 22 ms with 8
+# ranks on 2 cores against 3 ms with 2 (85 ms with 24): lessons about time stop showing
+# what they teach.
 CROWDED_RANKS_PER_CORE = 4
 PARENT_FILES_PER_RANK = 5
 # Files every process keeps open besides its ranks' (standard streams, torch, the store).
@@ -37,7 +38,7 @@ BASE_OPEN_FILES = 64
 def check(world_size, cores=None, available_bytes=None, open_files_limit=None):
     """Refuse (ValueError) or warn about ``world_size`` ranks on this machine; return True if
     the start is expected to be slow enough to show progress. The machine's numbers default
-    to this machine's (``cores``, ``available_memory()``, ``open_files_limit()``)."""
+    to this machine's (``os.cpu_count()``, ``available_memory()``, ``soft_open_files_limit()``)."""
     cores = cores or os.cpu_count() or 1
     refuse_impossible(
         world_size,

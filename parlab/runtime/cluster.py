@@ -8,7 +8,9 @@ then dispatches a call in about a millisecond. ``fn`` may be defined in a notebo
 travels by value (cloudpickle). Everything a rank prints is shown after the call, prefixed
 ``[rank r]``, in rank order. A failure on any rank raises ``RankError``; a call that outlives
 its timeout raises ``RankTimeout`` with the stacks of the stuck ranks. Either way the cluster
-repairs itself, so the next call works.
+repairs itself, so the next call works. A worker that dies between calls (the out-of-memory
+killer, a ``kill -9``) is reported once, by the next call, as a ``RankError`` naming the rank
+and the signal; the workers are replaced and the call after works.
 """
 
 import itertools
