@@ -10,7 +10,9 @@ full marks.
 
 The tests run in a subprocess (pytest with ``parlab.grading_plugin``), so a deadlocked or
 crashing exercise never takes the notebook kernel down with it; every graded test has a
-timeout, and a task whose first test hangs or raises NotImplementedError fails the rest at once.
+timeout, and a task whose first test hangs, raises NotImplementedError or sends a message of
+the wrong size fails the rest at once. A line on stdout (never stderr: a notebook shows
+stderr as an error) reports each task as it finishes.
 """
 
 import argparse
@@ -19,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,8 +43,10 @@ class Score:
 
 def check(name=None, impl="exercises", root=ROOT):
     """Grade topic ``name`` ("collectives"), one task of it ("collectives.ring_allreduce"),
-    or every topic (None), and print the points table. Returns the ``Score``."""
-    results = run_grading(name, impl, root)
+    or every topic (None), printing a line per task as it finishes, then the points table.
+    Returns the ``Score``."""
+    print(f"grading {name or 'all topics'} on {impl} ...", flush=True)
+    results = run_grading(name, impl, root, progress=lambda line: print(line, flush=True))
     print(format_table(results, name or "all topics", impl))
     return score(results)
 
@@ -51,9 +56,10 @@ def grading_topics(root=ROOT):
     return sorted(path.stem[len("test_") :] for path in (Path(root) / "tests" / "grading").glob("test_*.py"))
 
 
-def run_grading(name=None, impl="exercises", root=ROOT, timeout=GRADING_TIMEOUT_S):
+def run_grading(name=None, impl="exercises", root=ROOT, timeout=GRADING_TIMEOUT_S, progress=None):
     """Run the grading tests of ``name`` (topic, "topic.task" or None for all) on
-    ``impl/<topic>.py``; return one dict per graded test: test, task, points, passed, reason."""
+    ``impl/<topic>.py``; return one dict per graded test: test, task, points, passed, reason.
+    ``progress`` is called with a line of text (task, tests and points) as each task finishes."""
     root = Path(root)
     topic = name.split(".")[0] if name else None
     known = grading_topics(root)
@@ -63,26 +69,60 @@ def run_grading(name=None, impl="exercises", root=ROOT, timeout=GRADING_TIMEOUT_
     impl_dir = _find_impl(impl, root)
     files = [f"tests/grading/test_{t}.py" for t in ([topic] if topic else known)]
     # Only the plugins grading needs: autoloading every installed one (nbval and the
-    # Jupyter stack it imports) costs seconds per run.
-    env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    # Jupyter stack it imports) costs seconds per run. Faulthandler (inherited by the ranks)
+    # leaves a rank's Python stack in its output when gloo aborts it: the line it was at.
+    env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", PYTHONFAULTHANDLER="1")
     with tempfile.TemporaryDirectory(prefix="parlab-grade-") as tmp:
-        report_path = Path(tmp) / "report.json"
+        report_path, output_path = Path(tmp) / "report.json", Path(tmp) / "output.txt"
+        progress_read, progress_write = os.pipe()
         command = [sys.executable, "-m", "pytest", *files, "-q", "-o", "addopts=", "-p", "no:cacheprovider"]
         command += ["-p", "pytest_timeout", "-p", "parlab.grading_plugin"]
         command += ["--impl", str(impl_dir), "--grade-report", str(report_path)]
+        command += ["--grade-progress", str(progress_write)]
         if name and name != topic:
             command += ["--grade-task", name]
-        try:
-            finished = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise RuntimeError(f"grading did not finish within {timeout} s.") from None
+        with open(output_path, "w") as output:
+            pytest_process = subprocess.Popen(
+                command, cwd=root, env=env, stdout=output, stderr=subprocess.STDOUT, pass_fds=(progress_write,)
+            )
+        os.close(progress_write)
+        finished = _follow(pytest_process, progress_read, timeout, progress or (lambda line: None))
         report = json.loads(report_path.read_text()) if report_path.exists() else None
+        output = output_path.read_text()
+    if not finished:
+        raise RuntimeError(f"grading did not finish within {timeout} s.")
     if report is not None and report["error"]:
         raise ValueError(report["error"])
-    if report is None or finished.returncode not in (0, 1):  # 1: some tests failed
-        output = (finished.stdout + finished.stderr).strip()[-3000:]
-        raise RuntimeError(f"the grading tests could not run (pytest exited with {finished.returncode}):\n{output}")
+    if report is None or pytest_process.returncode not in (0, 1):  # 1: some tests failed
+        code = pytest_process.returncode
+        raise RuntimeError(f"the grading tests could not run (pytest exited with {code}):\n{output.strip()[-3000:]}")
     return report["tests"]
+
+
+def _follow(process, progress_fd, timeout, progress):
+    """Pass each progress line to ``progress`` (in this thread: a notebook shows what this
+    thread prints in the running cell) until pytest exits; kill it after ``timeout`` seconds.
+    Returns whether it finished in time."""
+    timed_out = threading.Event()
+
+    def stop():
+        timed_out.set()
+        process.kill()
+
+    timer = threading.Timer(timeout, stop)
+    timer.start()
+    try:
+        with os.fdopen(progress_fd) as lines:  # ends when pytest exits and its end closes
+            for line in lines:
+                progress(line.rstrip("\n"))
+        process.wait()
+    except BaseException:  # Ctrl-C or a failing callback: pytest must not run on alone
+        process.kill()
+        process.wait()
+        raise
+    finally:
+        timer.cancel()
+    return not timed_out.is_set()
 
 
 def _find_impl(impl, root):
@@ -102,20 +142,42 @@ def score(results):
 
 
 def format_table(results, title, impl):
-    """The points table: a row per task (earned / possible), a reason per failed test."""
+    """The points table: a row per task (earned / possible), why each failed test failed. A
+    reason every test shares (a file that does not import) is said once, above the table;
+    one that several tests of a task share, once under the task."""
     tasks = {}
     for test in results:
         tasks.setdefault(test["task"], []).append(test)
     width = max([len("task"), len("total")] + [len(task) for task in tasks]) + 2
     total = score(results)
-    lines = [f"{title}, graded on {impl}", f"{'task':<{width}}points"]
+    lines = [f"{title}, graded on {impl}"]
+    shared = _shared_reason(results)
+    if shared and len(results) > 1:
+        lines.append(f"every test: {shared}")
+    lines.append(f"{'task':<{width}}points")
     for task, tests in tasks.items():
         task_score = score(tests)
         lines.append(f"{task:<{width}}{task_score.earned:g} / {task_score.possible:g}")
-        lines += [f"    {test['test']}: {test['reason']}" for test in tests if not test["passed"]]
+        if not (shared and len(results) > 1):
+            lines += _reasons(tests)
     verdict = "  full marks" if total.full_marks else ""
     lines.append(f"{'total':<{width}}{total.earned:g} / {total.possible:g}{verdict}")
     return "\n".join(lines)
+
+
+def _reasons(tests):
+    """A line per reason the failed ``tests`` give: "    test: reason" or "    3 tests: reason"."""
+    named = {}
+    for test in tests:
+        if not test["passed"]:
+            named.setdefault(test["reason"], []).append(test["test"])
+    return [f"    {names[0] if len(names) == 1 else f'{len(names)} tests'}: {why}" for why, names in named.items()]
+
+
+def _shared_reason(tests):
+    """The reason every one of ``tests`` failed for, when they all failed for the same one."""
+    reasons = {None if test["passed"] else test["reason"] for test in tests}
+    return reasons.pop() if len(reasons) == 1 else None
 
 
 def main(argv=None):

@@ -14,26 +14,35 @@ A grading test file is ``tests/grading/test_<topic>.py``; one class per task:
 reference; it is registered with cloudpickle to travel by value, so its functions (and the
 helpers they call) run on the cluster's ranks although the workers cannot import it.
 
-Hangs and stubs. Every test with points runs under pytest-timeout (``GRADED_TEST_TIMEOUT_S``
-unless it carries its own ``timeout`` mark); tests should also pass a short ``timeout`` to
-``cluster.run``. Once a test of a task times out, or raises NotImplementedError, the task's
-remaining tests fail at once ("not run: ... timed out", or the same NotImplementedError):
-they would only fail the same way, and a hang costs the task its points, not the session
-minutes. So the tests of a task should all call the task's function.
+Hangs, stubs and aborts. Every test with points runs under pytest-timeout
+(``GRADED_TEST_TIMEOUT_S`` unless it carries its own ``timeout`` mark); tests should also
+pass a short ``timeout`` to ``cluster.run``. Once a test of a task times out, raises
+NotImplementedError, or makes gloo abort a rank on a message of the wrong size, the task's
+remaining tests fail at once ("not run: ...", or the same NotImplementedError): they would
+only fail the same way, and each hang or abort costs a cluster restart. So the tests of a
+task should all call the task's function.
+
+A file that cannot be imported fails every test before any cluster starts, with one
+sentence naming the file, the line and the error.
 
 Options: ``--impl DIR`` (default ``solutions``), ``--grade-task NAME`` (run only the tests
-of a task "topic.task" or of a topic), ``--grade-report PATH`` (write the JSON report).
+of a task "topic.task" or of a topic), ``--grade-report PATH`` (write the JSON report),
+``--grade-progress FD`` (write a line to file descriptor FD as each task finishes).
 """
 
 import hashlib
 import importlib.util
 import json
+import os
 import re
 import sys
+import time
+import traceback
 from pathlib import Path
 
 import pytest
 
+from parlab import p2p
 from parlab.runtime.errors import RankError, RankTimeout
 
 # Covers the first test on a cluster that must start first (seconds on a busy machine).
@@ -42,6 +51,8 @@ _PYTEST_TIMEOUT = re.compile(r"^Timeout \(>(?P<seconds>[\d.]+)s\) from pytest-ti
 _RESULTS = pytest.StashKey[dict]()
 _GIVEN_UP = pytest.StashKey[dict]()  # task -> why its remaining tests fail at once
 _ERROR = pytest.StashKey[str]()
+_IMPLEMENTATIONS = pytest.StashKey[dict]()  # topic -> module, or the sentence why it failed to import
+_PROGRESS = pytest.StashKey[dict]()
 
 
 def pytest_addoption(parser):
@@ -49,6 +60,7 @@ def pytest_addoption(parser):
     group.addoption("--impl", metavar="DIR", help="grade DIR/<topic>.py (default: solutions)")
     group.addoption("--grade-task", metavar="NAME", help='run only the tests of a task "topic.task" or a topic')
     group.addoption("--grade-report", metavar="PATH", help="write every graded test's result to PATH as JSON")
+    group.addoption("--grade-progress", metavar="FD", type=int, help="write a line to FD as each task finishes")
 
 
 def pytest_configure(config):
@@ -56,6 +68,16 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "points(n): the points a graded test is worth")
     config.stash[_RESULTS] = {}
     config.stash[_GIVEN_UP] = {}
+    config.stash[_IMPLEMENTATIONS] = {}
+    fd = config.getoption("grade_progress")
+    stream = os.fdopen(fd, "w", buffering=1) if fd is not None else None
+    config.stash[_PROGRESS] = {"stream": stream, "task_of": {}, "last": {}, "started": {}, "width": 0}
+
+
+def pytest_unconfigure(config):
+    stream = config.stash[_PROGRESS]["stream"]
+    if stream is not None:
+        stream.close()
 
 
 def grade_of(item):
@@ -84,23 +106,30 @@ def pytest_collection_modifyitems(config, items):
         if grade and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(GRADED_TEST_TIMEOUT_S))
     wanted = config.getoption("grade_task")
-    if not wanted:
-        return
-    selected = [item for item, grade in graded if grade and wanted in (grade[0], grade[0].split(".")[0])]
-    if not selected:
-        tasks = ", ".join(sorted({grade[0] for _, grade in graded if grade})) or "none"
-        config.stash[_ERROR] = f"there is no task {wanted!r}; the tasks are: {tasks}."
-        _write_report(config)
-        raise pytest.UsageError(config.stash[_ERROR])
-    config.hook.pytest_deselected(items=[item for item in items if item not in selected])
-    items[:] = selected
+    if wanted:
+        selected = [item for item, grade in graded if grade and wanted in (grade[0], grade[0].split(".")[0])]
+        if not selected:
+            tasks = ", ".join(sorted({grade[0] for _, grade in graded if grade})) or "none"
+            config.stash[_ERROR] = f"there is no task {wanted!r}; the tasks are: {tasks}."
+            _write_report(config)
+            raise pytest.UsageError(config.stash[_ERROR])
+        config.hook.pytest_deselected(items=[item for item in items if item not in selected])
+        items[:] = selected
+    _plan_progress(config, items)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     grade = grade_of(item)
-    if grade and grade[0] in item.config.stash[_GIVEN_UP]:
+    if grade is None:
+        return
+    if grade[0] in item.config.stash[_GIVEN_UP]:
         pytest.fail(item.config.stash[_GIVEN_UP][grade[0]], pytrace=False)
+    if "impl" in item.fixturenames:
+        # Before the fixtures, so that a file that cannot be imported starts no cluster.
+        loaded = _implementation(item.config, topic_of(item.path))
+        if isinstance(loaded, str):
+            pytest.fail(loaded, pytrace=False)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -125,6 +154,10 @@ def pytest_runtest_makereport(item, call):
             item.config.stash[_GIVEN_UP][grade[0]] = f"not run: an earlier test of {grade[0]} timed out"
         elif record["reason"].startswith("NotImplementedError"):
             item.config.stash[_GIVEN_UP][grade[0]] = record["reason"]
+        elif call.excinfo and isinstance(call.excinfo.value, RankError) and _size_mismatch(call.excinfo.value):
+            item.config.stash[_GIVEN_UP][grade[0]] = (
+                f"not run: an earlier test of {grade[0]} sent a message of the wrong size"
+            )
 
 
 def failure_reason(excinfo):
@@ -134,6 +167,8 @@ def failure_reason(excinfo):
         ranks = ("rank " if len(exc.ranks) == 1 else "ranks ") + ", ".join(map(str, exc.ranks))
         return f"timed out after {exc.timeout:g} s ({ranks} still waiting: a send or recv without its match?)"
     if isinstance(exc, RankError):
+        if _size_mismatch(exc):
+            return _size_mismatch(exc)
         last_line = next(iter(exc.failures.values())).strip().splitlines()[-1:]
         if last_line and last_line[0].startswith("NotImplementedError"):
             return last_line[0]
@@ -148,6 +183,35 @@ def failure_reason(excinfo):
 
 def _first_line(text):
     return text.strip().split("\n", 1)[0]
+
+
+def _size_mismatch(exc):
+    return p2p.explain_size_mismatch(exc.failures)
+
+
+def _plan_progress(config, items):
+    """Note the last test of each task, where its progress line is written."""
+    progress = config.stash[_PROGRESS]
+    tasks = {item.nodeid: grade[0] for item in items if (grade := grade_of(item))}
+    progress.update(task_of=tasks, last={task: nodeid for nodeid, task in tasks.items()})
+    progress["width"] = max(map(len, tasks.values()), default=0)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+    progress = item.config.stash[_PROGRESS]
+    task = progress["task_of"].get(item.nodeid)
+    if task is not None:
+        progress["started"].setdefault(task, time.monotonic())
+    yield
+    if task is not None and progress["last"][task] == item.nodeid and progress["stream"] is not None:
+        tests = [test for test in item.config.stash[_RESULTS].values() if test["task"] == task]
+        passed = [test for test in tests if test["passed"]]
+        points = f"{sum(test['points'] for test in passed):g} / {sum(test['points'] for test in tests):g} points"
+        seconds = time.monotonic() - progress["started"][task]
+        progress["stream"].write(
+            f"{task:<{progress['width']}}  {len(passed)} / {len(tests)} tests, {points} ({seconds:.1f} s)\n"
+        )
 
 
 def pytest_sessionfinish(session):
@@ -165,14 +229,30 @@ def _write_report(config):
 def impl(request):
     """The implementation under grade: ``<--impl DIR>/<topic>.py`` for the test file
     ``test_<topic>.py``, imported by path, its functions shipped to the ranks by value."""
-    option = request.config.getoption("impl")
-    impl_dir = request.config.invocation_params.dir / option if option else request.config.rootpath / "solutions"
-    return load_implementation(topic_of(request.path), impl_dir)
+    loaded = _implementation(request.config, topic_of(request.path))
+    if isinstance(loaded, str):
+        pytest.fail(loaded, pytrace=False)
+    return loaded
+
+
+def _implementation(config, topic):
+    """The module graded for ``topic``, imported once per session, or the sentence saying
+    why it could not be."""
+    loaded = config.stash[_IMPLEMENTATIONS]
+    if topic not in loaded:
+        option = config.getoption("impl")
+        impl_dir = config.invocation_params.dir / option if option else config.rootpath / "solutions"
+        try:
+            loaded[topic] = load_implementation(topic, impl_dir)
+        except (ImportError, ValueError) as exc:
+            loaded[topic] = str(exc)
+    return loaded[topic]
 
 
 def load_implementation(topic, impl_dir):
     """Import ``impl_dir/<topic>.py`` as a fresh module and register it with cloudpickle so
-    that functions from it travel by value to worker processes that cannot import it."""
+    that functions from it travel by value to worker processes that cannot import it.
+    Raises ImportError with one sentence (file, line, error) when the file fails to import."""
     import cloudpickle
 
     path = Path(impl_dir).resolve() / f"{topic}.py"
@@ -187,6 +267,17 @@ def load_implementation(topic, impl_dir):
         spec.loader.exec_module(module)
     except Exception as exc:
         del sys.modules[name]
-        raise ImportError(f"{path} could not be imported: {type(exc).__name__}: {exc}") from exc
+        raise ImportError(_import_failure(path, exc)) from exc
     cloudpickle.register_pickle_by_value(module)
     return module
+
+
+def _import_failure(path, exc):
+    """"<path>, line 3, could not be imported: NameError: name 'x' is not defined"."""
+    if isinstance(exc, SyntaxError):
+        line, error = exc.lineno, f"{type(exc).__name__}: {exc.msg}"
+    else:
+        frames = [frame for frame in traceback.extract_tb(exc.__traceback__) if frame.filename == str(path)]
+        line, error = (frames[-1].lineno if frames else None), f"{type(exc).__name__}: {exc}"
+    where = f"{path}, line {line}," if line else str(path)
+    return f"{where} could not be imported: {error}"

@@ -6,6 +6,7 @@ traffic points, a deadlocked implementation costs its points within 30 s, and cl
 mistakes (a DDP hook that all-reduces the weights, full optimizer state on every rank, a
 1F1B backward seeded with 1 instead of 1/M, ...) lose exactly their points, with a reason."""
 
+import re
 import shutil
 import subprocess
 import textwrap
@@ -18,6 +19,7 @@ from parlab.grading_plugin import failure_reason, load_implementation
 from parlab.runtime.errors import RankError, RankTimeout
 
 FIXTURES = exercises.ROOT / "tests" / "grading" / "fixtures"
+TASKS = ("ring_reduce_scatter", "ring_all_gather", "ring_allreduce")
 SOLUTION = textwrap.dedent(
     '''\
     """A topic."""
@@ -243,9 +245,43 @@ def test_a_deadlocked_implementation_costs_its_points_within_30_s():
     assert grade.score(results).earned == 0
     reasons = {test["reason"].split(" (")[0] for test in results}
     assert reasons == {"timed out after 3 s"} | {
-        f"not run: an earlier test of collectives.{task} timed out"
-        for task in ("ring_reduce_scatter", "ring_all_gather", "ring_allreduce")
+        f"not run: an earlier test of collectives.{task} timed out" for task in TASKS
     }
+
+
+def test_a_file_that_fails_to_import_is_reported_once(tmp_path):
+    path = tmp_path / "collectives.py"
+    path.write_text("import torch\n\nCHUNKS = torch.tensor_split(torch.arange(10), world_size)\n")
+    lines = []
+    results = grade.run_grading("collectives", impl=tmp_path, progress=lines.append)
+    reason = f"{path}, line 3, could not be imported: NameError: name 'world_size' is not defined"
+    assert [test["reason"] for test in results] == [reason] * 15
+    table = grade.format_table(results, "collectives", tmp_path)
+    assert table.count("could not be imported") == 1 and f"every test: {reason}\n" in table, table
+    assert [line.split()[0] for line in lines] == [f"collectives.{task}" for task in TASKS], lines
+    assert all(" 0 / 5 tests, 0 / 5 points (" in line for line in lines), lines
+
+
+def test_a_chunk_size_off_by_one_gets_a_hint_and_costs_one_test_per_task():
+    # Before, gloo aborted the receiving rank on each of 10 tests (about 50 s), each reason
+    # gloo's "enforce fail ... op.preamble.length <= op.nbytes", with no progress shown.
+    lines = []
+    started = time.monotonic()
+    results = grade.run_grading("collectives", impl=FIXTURES / "chunk_size_off_by_one", progress=lines.append)
+    assert time.monotonic() - started < 120  # catches a hang, not a slow machine
+    assert [line.split()[0] for line in lines] == [f"collectives.{task}" for task in TASKS], lines
+    assert lines[1].split("  ", 1)[1].lstrip().startswith("5 / 5 tests, 5 / 5 points ("), lines
+    line = r" \(in ring_reduce_scatter, line 21\)"  # the fixture's receive, from the aborted rank's stack
+    hint = re.compile(
+        rf"^rank \d (expected \d+ float32 elements from rank \d{line} but rank \d sent \d+|received \d+ bytes "
+        rf"into a tensor of \d+ bytes{line}): sender and receiver must agree on every message's size "
+        r"\(for chunks, check how chunk sizes are computed for uneven lengths\)$"
+    )
+    for task in ("ring_reduce_scatter", "ring_allreduce"):
+        first, *rest = [test["reason"] for test in results if test["task"] == f"collectives.{task}"]
+        assert hint.match(first), first
+        assert rest == [f"not run: an earlier test of collectives.{task} sent a message of the wrong size"] * 4
+    assert all(test["passed"] for test in results if test["task"] == "collectives.ring_all_gather")
 
 
 # topic -> (full marks, the stub a learner meets first in each task when nothing is written)
@@ -293,13 +329,17 @@ def test_a_ddp_hook_that_all_reduces_the_weights_is_told_so(tmp_path):
         assert "your hook synchronises weights, not gradients" in reason, reason
 
 
-def test_one_task_is_graded_alone_and_a_broken_file_says_why(tmp_path, capsys):
-    (tmp_path / "collectives.py").write_text("def ring_allreduce(tensor)\n    return tensor\n")
+def test_one_task_is_graded_alone_and_a_broken_file_says_why_once(tmp_path, capsys):
+    # (Written here rather than kept in fixtures/: a file that does not parse would trip
+    # every tool that reads the tree.)
+    path = tmp_path / "collectives.py"
+    path.write_text("def ring_allreduce(tensor)\n    return tensor\n")
     score = grade.check("collectives.ring_allreduce", impl=tmp_path)
     table = capsys.readouterr().out
     assert score == grade.Score(0, 5)
     assert "collectives.ring_allreduce" in table and "ring_reduce_scatter" not in table
-    assert "ImportError: " in table and "could not be imported: SyntaxError" in table
+    assert table.count("could not be imported") == 1, table
+    assert f"every test: {path}, line 1, could not be imported: SyntaxError: expected ':'\n" in table
     with pytest.raises(ValueError, match="no task 'collectives.ring'; the tasks are: collectives.ring_all_gather, "):
         grade.check("collectives.ring", impl=tmp_path)
 
