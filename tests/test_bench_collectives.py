@@ -6,7 +6,15 @@ import matplotlib
 import pytest
 
 from parlab import cli
-from parlab.bench.collectives import ALGORITHMS, bench_collectives, format_report, plot_busbw, time_algorithms
+from parlab.bench import ratio_header
+from parlab.bench.collectives import (
+    ALGORITHMS,
+    REFERENCE,
+    bench_collectives,
+    format_report,
+    plot_busbw,
+    time_algorithms,
+)
 
 matplotlib.use("Agg")
 pytestmark = pytest.mark.timeout(120)
@@ -25,7 +33,7 @@ def test_every_algorithm_at_every_size_with_nccl_tests_bandwidths(result):
         assert row["algbw"] == pytest.approx(row["bytes"] / row["seconds"])
         assert row["busbw"] == pytest.approx(row["algbw"] * 2 * (2 - 1) / 2)
         torch_row = next(r for r in rows if r["bytes"] == row["bytes"] and r["algorithm"] == "torch")
-        assert row["ratio"] == pytest.approx(row["busbw"] / torch_row["busbw"])
+        assert row["ratio"] == row["seconds"] / torch_row["seconds"]  # time / time: below 1, parlab is faster
     assert result["backend"] == "gloo" and result["device"] == "cpu"
 
 
@@ -37,7 +45,7 @@ def test_time_algorithms_agrees_on_every_rank(cluster2):
 
 def test_report_and_plot(result):
     report = format_report(result)
-    assert "busbw / torch" in report and report.count("ring") == 2
+    assert "time / torch" in report and report.count("ring") == 2
     ax = plot_busbw(result)
     assert len(ax.get_lines()) == len(ALGORITHMS)
     assert ax.get_ylabel() == "busbw (GB/s)"
@@ -46,7 +54,7 @@ def test_report_and_plot(result):
 def test_command_line_json(capsys):
     assert cli.main(["bench", "collectives", "--json", "--world-sizes", "2", "--sizes", "1K"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["bench"] == "collectives"
+    assert out["bench"] == "collectives" and out["ratio_means"] == ratio_header(REFERENCE)
     assert {row["algorithm"] for row in out["rows"]} == set(ALGORITHMS)
 
 

@@ -6,7 +6,8 @@ import statistics
 import pytest
 
 from parlab import cli
-from parlab.bench.ddp import VARIANTS, bench_ddp, format_report, mlp_parameters, time_steps
+from parlab.bench import ratio_header
+from parlab.bench.ddp import REFERENCE, VARIANTS, bench_ddp, format_report, mlp_parameters, time_steps
 
 TINY = dict(width=8, depth=2, batch_size=4)
 
@@ -51,6 +52,7 @@ def test_command_line_json(capsys):
     assert cli.main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["bench"] == "ddp" and out["bucket_cap_mb"] == 0.001
+    assert out["ratio_means"] == ratio_header(REFERENCE)
     assert [row["variant"] for row in out["rows"]] == VARIANTS
 
 

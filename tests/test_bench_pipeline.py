@@ -8,7 +8,8 @@ import statistics
 import pytest
 
 from parlab import cli
-from parlab.bench.pipeline import bench_pipeline, format_report, valid_schedules
+from parlab.bench import ratio_header
+from parlab.bench.pipeline import REFERENCE, bench_pipeline, format_report, valid_schedules
 from parlab.pipeline.schedule import make_schedule
 from parlab.pipeline.simulate import simulate
 
@@ -27,6 +28,7 @@ def result():
 @pytest.mark.timeout(120)
 def test_a_row_per_schedule_with_medians_ratio_and_bubbles(result):
     assert result["bench"] == "pipeline" and result["backend"] == "gloo" and result["device"] == "cpu"
+    assert result["ratio_means"] == ratio_header(REFERENCE)
     assert (result["microbatches"], result["steps"], result["sleep_s"]) == (2, 2, 0.002)
     assert result["parameters"] == 3 * (8 * 8 + 8)
     rows = result["rows"]
@@ -49,7 +51,7 @@ def test_a_row_per_schedule_with_medians_ratio_and_bubbles(result):
 @pytest.mark.timeout(60)
 def test_report_has_a_row_per_schedule(result):
     report = format_report(result)
-    assert "parlab / torch" in report and "bubble measured" in report and "2 ms per F and B" in report
+    assert "time / torch" in report and "bubble measured" in report and "2 ms per F and B" in report
     assert all(f"  {name}  " in report for name in ("gpipe", "1f1b")) and "interleaved_1f1b v=2" in report
 
 

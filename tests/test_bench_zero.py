@@ -7,8 +7,9 @@ import statistics
 import pytest
 
 from parlab import cli
+from parlab.bench import ratio_header
 from parlab.bench.ddp import mlp_parameters
-from parlab.bench.zero import available_engines, format_report
+from parlab.bench.zero import REFERENCE, available_engines, format_report
 from parlab.memory import FP32_ADAM, model_state_bytes
 
 HIDDEN, DEPTH = 64, 2  # Psi = 8320: the padding to a multiple of N_d is far below 2%
@@ -23,6 +24,7 @@ def test_command_line_json_measures_every_engine_and_parlab_matches_the_formula(
     psi = result["parameters"]
     assert psi == mlp_parameters(HIDDEN, DEPTH) == 2 * (64 * 64 + 64)
     assert result["bench"] == "zero" and result["backend"] == "gloo" and result["steps"] == 2
+    assert result["ratio_means"].startswith(ratio_header(REFERENCE))
     assert [(r["implementation"], r["stage"], r["engine"]) for r in result["rows"]] == available_engines()
 
     rows = {(row["implementation"], row["stage"]): row for row in result["rows"]}

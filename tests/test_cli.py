@@ -11,8 +11,8 @@ import torch
 
 import parlab
 from parlab import cli, doctor
-from parlab.bench import format_table, percentile, positive_int
-from parlab.bench.runtime import bench_runtime, format_report
+from parlab.bench import format_table, percentile, positive_int, ratio_header
+from parlab.bench.runtime import REFERENCE, bench_runtime, format_report
 
 STATUSES = {doctor.OK, doctor.PROBLEM, doctor.INFO}
 QUICK_CHECKS = [check for check in doctor.CHECKS if check is not doctor.check_all_reduce]
@@ -109,7 +109,8 @@ def _assert_runtime_result(result, world_size, repeats, spawn_repeats):
     assert result["cpu_count"] >= 1
     assert all(result[key] > 0 for key in TIMES)
     assert result["cluster_median_s"] <= result["cluster_p90_s"]
-    assert result["ratio"] == result["spawn_median_s"] / result["cluster_median_s"]
+    assert result["ratio"] == result["cluster_median_s"] / result["spawn_median_s"]  # parlab / reference
+    assert result["ratio_means"] == ratio_header(REFERENCE)
 
 
 @pytest.mark.timeout(180)
@@ -122,7 +123,7 @@ def test_bench_runtime_report_is_a_table_with_both_rows(runtime_result):
     report = format_report(runtime_result)
     assert "persistent parlab.Cluster.run" in report
     assert "fresh torch.multiprocessing.spawn" in report
-    assert "spawn / cluster" in report
+    assert "cluster call / fresh spawn" in report
 
 
 @pytest.mark.timeout(180)

@@ -7,6 +7,11 @@ Each bench is a module of this package registered in ``parlab.cli.BENCHES``. It 
 - ``run(args) -> dict``: measure, and return a JSON-ready dict (times in seconds),
 - ``format_report(result) -> str``: the same result as a table for people.
 
+One convention for every comparison: ``ratio`` = parlab's time / the reference's time (torch's
+implementation, or a fresh spawn for the runtime), so below 1 parlab is faster. Every table
+states it in its header (``ratio_header``) and every JSON result in ``ratio_means``. A bench
+that compares something else (bytes held) states that ratio's direction beside it.
+
 The helpers below keep every bench's output looking alike.
 """
 
@@ -25,6 +30,16 @@ def positive_int(text):
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
     return value
+
+
+def time_ratio(parlab_s, reference_s):
+    """parlab's time over the reference's: below 1, parlab is faster (the one ratio convention)."""
+    return parlab_s / reference_s
+
+
+def ratio_header(reference):
+    """The line every table's header carries, naming its reference."""
+    return f"ratio = time of parlab / time of {reference} (below 1: parlab is faster)"
 
 
 def percentile(values, q):

@@ -8,9 +8,10 @@ rank's mean over the timed iterations. Bandwidths follow the nccl-tests definiti
     busbw = algbw * 2 (N - 1) / N      (what each link carries in a bandwidth-optimal
                                         all-reduce; comparable across N)
 
-``ratio`` is parlab's busbw over torch's (``dist.all_reduce`` on the same backend) at the same
-N and S: above 1, parlab's algorithm is faster. parlab's collectives run with ``check=False``
-so that the timing is the algorithm's alone.
+``ratio`` is parlab's time over torch's (``dist.all_reduce`` on the same backend) at the same
+N and S, as in every bench: below 1, parlab's algorithm is faster. (Bandwidths compare the
+other way round: parlab's busbw / torch's = 1 / ratio.) parlab's collectives run with
+``check=False`` so that the timing is the algorithm's alone.
 """
 
 import argparse
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from parlab import collectives, runtime
-from parlab.bench import format_table, positive_int, progress, synchronise
+from parlab.bench import format_table, positive_int, progress, ratio_header, synchronise, time_ratio
 
 ALGORITHMS = {
     "torch": lambda x: dist.all_reduce(x),
@@ -29,6 +30,7 @@ ALGORITHMS = {
     "ring": lambda x: collectives.ring_allreduce(x, check=False),
     "butterfly": lambda x: collectives.butterfly_allreduce(x, check=False),
 }
+REFERENCE = "torch's dist.all_reduce"
 DEFAULT_SIZES = [2**10 * 4**k for k in range(9)]  # 1 KiB to 64 MiB
 # Enough repetitions that small messages are timed over milliseconds, few for large ones.
 TIMED_BYTES = 256 * 2**20
@@ -52,20 +54,21 @@ def run(args):
 
 def bench_collectives(world_sizes=(2, 4), sizes=DEFAULT_SIZES, device="cpu"):
     """Measure every algorithm at every (N, S); returns a JSON-ready dict with one row per
-    (world_size, size, algorithm): seconds, algbw and busbw (bytes/s), and ratio to torch."""
+    (world_size, size, algorithm): seconds, algbw and busbw (bytes/s), and the time ratio to torch."""
     rows = []
     for world_size in world_sizes:
         with runtime.Cluster(world_size, device=device) as cluster:
             for size in sizes:
                 progress("collectives", f"N={world_size}, {_human(size)} ...")
                 seconds = cluster.run(time_algorithms, size)[0]
-                rows.extend(_bandwidth_rows(world_size, size, seconds))
+                rows.extend(bandwidth_rows(world_size, size, seconds))
     return {
         "bench": "collectives",
         "device": device,
         "backend": rows[0]["backend"] if rows else None,
         "torch_version": torch.__version__,
         "cpu_count": os.cpu_count(),
+        "ratio_means": ratio_header(REFERENCE),
         "rows": rows,
     }
 
@@ -91,19 +94,18 @@ def time_algorithms(size):
     return {"seconds": seconds, "backend": dist.get_backend(), "iters": iters}
 
 
-def _bandwidth_rows(world_size, size, measured):
+def bandwidth_rows(world_size, size, measured):
+    """The rows of one (N, S) from ``time_algorithms``' result: per algorithm its seconds,
+    algbw, busbw and ratio = its seconds / torch's."""
     nbytes = max(1, size // 4) * 4
-    torch_busbw = None
     rows = []
     for name, seconds in measured["seconds"].items():
         algbw = nbytes / seconds
-        busbw = algbw * 2 * (world_size - 1) / world_size
-        if name == "torch":
-            torch_busbw = busbw
         rows.append(
             {
                 "world_size": world_size, "bytes": nbytes, "algorithm": name, "seconds": seconds,
-                "algbw": algbw, "busbw": busbw, "ratio": busbw / torch_busbw if torch_busbw else None,
+                "algbw": algbw, "busbw": algbw * 2 * (world_size - 1) / world_size,
+                "ratio": time_ratio(seconds, measured["seconds"]["torch"]),
                 "iters": measured["iters"], "backend": measured["backend"],
             }
         )
@@ -112,19 +114,20 @@ def _bandwidth_rows(world_size, size, measured):
 
 def format_report(result):
     table = format_table(
-        ["N", "size", "algorithm", "time", "algbw GB/s", "busbw GB/s", "busbw / torch"],
+        ["N", "size", "algorithm", "time", "algbw GB/s", "busbw GB/s", "time / torch"],
         [
             [
                 row["world_size"], _human(row["bytes"]), row["algorithm"], f"{row['seconds'] * 1e3:.3f} ms",
                 f"{row['algbw'] / 1e9:.3f}", f"{row['busbw'] / 1e9:.3f}",
-                "-" if row["world_size"] == 1 else f"{row['ratio']:.2f}",
+                f"{row['ratio']:.2f}",
             ]
             for row in result["rows"]
         ],
     )
     return (
         f"parlab bench collectives: all-reduce of float32 tensors over {result['backend']} on "
-        f"{result['device']}, torch {result['torch_version']}, {result['cpu_count']} CPU cores\n\n{table}"
+        f"{result['device']}, torch {result['torch_version']}, {result['cpu_count']} CPU cores\n"
+        f"{ratio_header(REFERENCE)}; busbw compares the other way (higher is faster)\n\n{table}"
     )
 
 

@@ -9,7 +9,8 @@ that a noisy neighbour on a shared machine slows them all alike.
 
 Result (seconds): per world size and variant the median step time over ``steps`` timed
 steps after ``WARMUP_STEPS`` unmeasured ones, and ``ratio`` = that median / torch DDP's
-(below 1, parlab is faster). ``bucket_cap_mb`` is given to parlab's "bucketed" and to torch.
+(below 1, parlab is faster: the convention of every bench). ``bucket_cap_mb`` is given to
+parlab's "bucketed" and to torch.
 """
 
 import os
@@ -21,10 +22,11 @@ import torch.distributed as dist
 from torch import nn
 
 from parlab import runtime
-from parlab.bench import format_seconds, format_table, positive_int, progress, synchronise
+from parlab.bench import format_seconds, format_table, positive_int, progress, ratio_header, synchronise, time_ratio
 from parlab.ddp import DDP
 
 VARIANTS = ["torch", "naive", "flat", "overlapped", "bucketed"]
+REFERENCE = "torch DDP"
 WARMUP_STEPS = 3  # first steps allocate gradients and buckets and open connections
 SEED = 0
 
@@ -61,16 +63,7 @@ def bench_ddp(world_sizes=(2, 4), steps=20, width=1024, depth=4, batch_size=64, 
             progress("ddp", f"N={world_size}: {WARMUP_STEPS} + {steps} steps of {', '.join(VARIANTS)} ...")
             measured = cluster.run(time_steps, steps, width, depth, batch_size, bucket_cap_mb)[0]
         backend = measured["backend"]
-        torch_median = statistics.median(measured["seconds"]["torch"])
-        for variant in VARIANTS:
-            seconds = measured["seconds"][variant]
-            median = statistics.median(seconds)
-            rows.append(
-                {
-                    "world_size": world_size, "variant": variant, "median_s": median,
-                    "ratio": median / torch_median, "seconds": seconds,
-                }
-            )
+        rows.extend(variant_rows(world_size, measured["seconds"]))
     return {
         "bench": "ddp",
         "device": device,
@@ -83,8 +76,20 @@ def bench_ddp(world_sizes=(2, 4), steps=20, width=1024, depth=4, batch_size=64, 
         "batch_size": batch_size,
         "bucket_cap_mb": bucket_cap_mb,
         "steps": steps,
+        "ratio_means": ratio_header(REFERENCE),
         "rows": rows,
     }
+
+
+def variant_rows(world_size, seconds):
+    """One row per variant from its step times ({variant: [seconds, ...]}): the median and
+    ratio = that median / torch DDP's median."""
+    torch_median = statistics.median(seconds["torch"])
+    return [
+        {"world_size": world_size, "variant": variant, "median_s": statistics.median(seconds[variant]),
+         "ratio": time_ratio(statistics.median(seconds[variant]), torch_median), "seconds": seconds[variant]}
+        for variant in VARIANTS
+    ]
 
 
 def mlp_parameters(width, depth):
@@ -143,7 +148,7 @@ def time_steps(steps, width, depth, batch_size, bucket_cap_mb):
 
 def format_report(result):
     table = format_table(
-        ["N", "variant", "median step", "/ torch DDP"],
+        ["N", "variant", "median step", "time / torch DDP"],
         [
             [row["world_size"], row["variant"], format_seconds(row["median_s"]), f"{row['ratio']:.2f}x"]
             for row in result["rows"]
@@ -155,6 +160,6 @@ def format_report(result):
         f"{result['parameters'] * 4 / 2**20:.1f} MiB of fp32 gradients), batch {result['batch_size']} per rank, "
         f"bucket_cap_mb={result['bucket_cap_mb']:g}; median of {result['steps']} steps, slowest rank; "
         f"{result['backend']} on {result['device']}, torch {result['torch_version']}, "
-        f"{result['cpu_count']} CPU cores\n\n{table}"
+        f"{result['cpu_count']} CPU cores\n{ratio_header(REFERENCE)}\n\n{table}"
     )
 

@@ -10,7 +10,7 @@ chunks per rank where M is a multiple of K and the model has K v layers to spare
   ``ScheduleInterleaved1F1B``. The ranks start each step together (a barrier, not timed),
   a step's time is the slowest rank's, and the two take their steps in turn so that a noisy
   neighbour slows both alike. ``ratio`` = parlab's median / torch's (below 1, parlab is
-  faster).
+  faster: the convention of every bench).
 - bubble: one step of ``sleep_pipeline_step`` (stages that sleep ``sleep_ms`` in F and in B,
   ``sleep_ms / v`` per chunk when interleaved) traced ``repeats`` times; the median of the
   measured ``bubble_fraction`` beside the simulator's for the same times and the closed
@@ -26,12 +26,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from parlab import runtime
-from parlab.bench import format_seconds, format_table, positive_int, progress, synchronise
+from parlab.bench import format_seconds, format_table, positive_int, progress, ratio_header, synchronise, time_ratio
 from parlab.bench.ddp import build_mlp, mlp_parameters
 from parlab.pipeline.executor import PipelineExecutor, partition, sleep_pipeline_step
 from parlab.pipeline.schedule import make_schedule
 from parlab.pipeline.simulate import bubble_formula, bubble_fraction, simulate
 
+REFERENCE = "torch.distributed.pipelining"
 SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}  # name -> v, chunks per rank
 WARMUP_STEPS = 2  # torch infers the stage shapes in its first step; both allocate buffers
 SEED = 0
@@ -80,12 +81,8 @@ def bench_pipeline(world_sizes=(2, 4), microbatches=8, steps=10, width=512, dept
                 progress("pipeline", f"K={K}: bubble of {name}, {repeats} traced sleep steps ...")
                 bubbles = [bubble_fraction(cluster.trace(sleep_pipeline_step, schedule, sleep_s / v, sleep_s / v))
                            for _ in range(repeats)]
-                parlab_s, torch_s = measured["seconds"][name]["parlab"], measured["seconds"][name]["torch"]
                 rows.append({
-                    "world_size": K, "schedule": name, "v": v,
-                    "parlab_median_s": statistics.median(parlab_s), "torch_median_s": statistics.median(torch_s),
-                    "ratio": statistics.median(parlab_s) / statistics.median(torch_s),
-                    "parlab_seconds": parlab_s, "torch_seconds": torch_s,
+                    "world_size": K, "schedule": name, "v": v, **step_times(**measured["seconds"][name]),
                     "bubble_measured": statistics.median(bubbles), "bubbles_measured": bubbles,
                     "bubble_simulated": float(simulate(schedule, sleep_s / v, sleep_s / v).bubble_fraction),
                     "bubble_formula": bubble_formula(K, M, v),
@@ -94,8 +91,16 @@ def bench_pipeline(world_sizes=(2, 4), microbatches=8, steps=10, width=512, dept
         "bench": "pipeline", "device": device, "backend": backend, "torch_version": torch.__version__,
         "cpu_count": os.cpu_count(), "parameters": mlp_parameters(width, depth), "width": width, "depth": depth,
         "batch_size": batch_size, "microbatches": M, "steps": steps, "sleep_s": sleep_s, "repeats": repeats,
-        "rows": rows,
+        "ratio_means": ratio_header(REFERENCE), "rows": rows,
     }
+
+
+def step_times(parlab, torch):
+    """The step-time part of a row from both runners' step times (lists of seconds): their
+    medians and ratio = parlab's median / torch's."""
+    parlab_median, torch_median = statistics.median(parlab), statistics.median(torch)
+    return {"parlab_median_s": parlab_median, "torch_median_s": torch_median,
+            "ratio": time_ratio(parlab_median, torch_median), "parlab_seconds": parlab, "torch_seconds": torch}
 
 
 def valid_schedules(K, M, depth):
@@ -168,7 +173,7 @@ def _torch_runner(schedule, width, depth, inputs, targets):
 
 def format_report(result):
     table = format_table(
-        ["K", "schedule", "parlab step", "torch step", "parlab / torch", "bubble measured", "simulated",
+        ["K", "schedule", "parlab step", "torch step", "time / torch", "bubble measured", "simulated",
          "(K-1)/(vM+K-1)"],
         [
             [row["world_size"], row["schedule"] + (f" v={row['v']}" if row["v"] > 1 else ""),
@@ -183,5 +188,5 @@ def format_report(result):
         f"batch {result['batch_size']}; median of {result['steps']} steps, slowest rank. Bubble: sleep stages of "
         f"{result['sleep_s'] * 1e3:g} ms per F and B (divided by v per chunk), median of {result['repeats']} traced "
         f"steps. {result['backend']} on {result['device']}, torch {result['torch_version']}, "
-        f"{result['cpu_count']} CPU cores\n\n{table}"
+        f"{result['cpu_count']} CPU cores\n{ratio_header(REFERENCE)}\n\n{table}"
     )

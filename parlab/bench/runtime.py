@@ -8,7 +8,8 @@ joined in a gloo process group on the CPU, so the difference is the runtime alon
 
 Result (seconds): ``cluster_median_s`` and ``cluster_p90_s`` over ``repeats`` calls after
 ``WARMUP_CALLS`` unmeasured ones; ``spawn_median_s`` over ``spawn_repeats`` spawns, process
-group set-up included; ``ratio = spawn_median_s / cluster_median_s``.
+group set-up included; ``ratio = cluster_median_s / spawn_median_s``, parlab's time over the
+reference's as in every bench (below 1, the cluster is faster).
 """
 
 import os
@@ -21,10 +22,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import parlab
-from parlab.bench import format_seconds, format_table, percentile, positive_int, progress
+from parlab.bench import format_seconds, format_table, percentile, positive_int, progress, ratio_header, time_ratio
 
 # The first calls on a new cluster are slower (first unpickling, lazy imports on the ranks).
 WARMUP_CALLS = 3
+REFERENCE = "a fresh torch.multiprocessing.spawn"
 STORE_TIMEOUT = timedelta(seconds=60)
 
 
@@ -50,8 +52,6 @@ def bench_runtime(world_size=4, repeats=50, spawn_repeats=3):
         )
     cluster_start, cluster_times = _time_cluster(world_size, repeats)
     spawn_times = _time_spawn(world_size, spawn_repeats)
-    cluster_median = statistics.median(cluster_times)
-    spawn_median = statistics.median(spawn_times)
     return {
         "bench": "runtime",
         "world_size": world_size,
@@ -60,11 +60,21 @@ def bench_runtime(world_size=4, repeats=50, spawn_repeats=3):
         "spawn_repeats": spawn_repeats,
         "torch_version": torch.__version__,
         "cpu_count": os.cpu_count(),
+        "ratio_means": ratio_header(REFERENCE),
+        **summarise(cluster_start, cluster_times, spawn_times),
+    }
+
+
+def summarise(cluster_start, cluster_times, spawn_times):
+    """The timings of a result from the measured seconds: the cluster's start-up, median and
+    p90 per call, the spawn's median, and ratio = the cluster's median / the spawn's."""
+    cluster_median, spawn_median = statistics.median(cluster_times), statistics.median(spawn_times)
+    return {
         "cluster_start_s": cluster_start,
         "cluster_median_s": cluster_median,
         "cluster_p90_s": percentile(cluster_times, 90),
         "spawn_median_s": spawn_median,
-        "ratio": spawn_median / cluster_median,
+        "ratio": time_ratio(cluster_median, spawn_median),
     }
 
 
@@ -88,9 +98,9 @@ def format_report(result):
     )
     return (
         f"parlab bench runtime: {result['world_size']} ranks over {result['backend']} on the CPU, "
-        f"torch {result['torch_version']}, {result['cpu_count']} CPU cores\n\n"
+        f"torch {result['torch_version']}, {result['cpu_count']} CPU cores\n{ratio_header(REFERENCE)}\n\n"
         f"{table}\n\n"
-        f"spawn / cluster: {result['ratio']:,.0f}x; "
+        f"ratio, cluster call / fresh spawn: {result['ratio']:.2g}; "
         f"the cluster started once, in {format_seconds(result['cluster_start_s'])}."
     )
 

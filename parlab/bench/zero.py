@@ -20,7 +20,9 @@ ranks hold unequal parts.
 Step time: forward + backward + ``step``; the ranks start each step together (a barrier,
 not timed) and a step's time is the slowest rank's; the engines take their steps in turn,
 so that a noisy neighbour slows them all alike. ``median_s`` is over ``steps`` timed steps
-after ``WARMUP_STEPS``; ``ratio`` = parlab / torch at the same stage (time and bytes).
+after ``WARMUP_STEPS``. Ratios, parlab / torch's engine of the same stage, as in every bench:
+``ratio["time"]`` of the median step times (below 1, parlab is faster) and ``ratio["bytes"]``
+of the model-state bytes (below 1, parlab holds less).
 """
 
 import importlib.util
@@ -33,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parlab import runtime
-from parlab.bench import format_seconds, format_table, positive_int, progress, synchronise
+from parlab.bench import format_seconds, format_table, positive_int, progress, ratio_header, synchronise, time_ratio
 from parlab.bench.ddp import build_mlp, mlp_parameters
 from parlab.memory import FP32_ADAM, measure_model_state, model_state_bytes
 from parlab.zero import ZeroDP
@@ -41,6 +43,8 @@ from parlab.zero import ZeroDP
 WARMUP_STEPS = 2  # the first step allocates the optimizer state
 SEED, LR = 0, 1e-4
 MIB = 2**20
+REFERENCE = "torch's engine of the same stage"
+BYTES_RATIO = f"bytes ratio = bytes of parlab / bytes of {REFERENCE} (below 1: parlab holds less)"
 ENGINES = [  # (implementation, stage, name), by stage
     ("parlab", 0, "ZeroDP stage 0"),
     ("torch", 0, "torch DDP"),
@@ -90,19 +94,28 @@ def bench_zero(world_sizes=(2, 4), steps=10, hidden=1024, depth=4, batch_size=64
                 "formula": _as_dict(model_state_bytes(psi, stage, world_size, *FP32_ADAM)),
                 "median_s": statistics.median(seconds), "seconds": seconds,
             })
+    add_ratios(rows)
+    return {
+        "bench": "zero", "device": device, "backend": backend, "torch_version": torch.__version__,
+        "cpu_count": os.cpu_count(), "parameters": psi, "hidden": hidden, "depth": depth,
+        "batch_size": batch_size, "steps": steps, "ratio_means": f"{ratio_header(REFERENCE)}; {BYTES_RATIO}",
+        "rows": rows,
+    }
+
+
+def add_ratios(rows):
+    """Give every parlab row ``ratio`` = {"time": its median / torch's, "bytes": its total
+    bytes / torch's} against torch's row of the same world size and stage (None where torch
+    has no engine of that stage)."""
     for row in rows:
         if row["implementation"] == "parlab":
             torch_row = next((r for r in rows if r["implementation"] == "torch" and r["world_size"] == row["world_size"]
                               and r["stage"] == row["stage"]), None)
             row["ratio"] = None if torch_row is None else {
-                "time": row["median_s"] / torch_row["median_s"],
+                "time": time_ratio(row["median_s"], torch_row["median_s"]),
                 "bytes": row["bytes"]["total"] / torch_row["bytes"]["total"],
             }
-    return {
-        "bench": "zero", "device": device, "backend": backend, "torch_version": torch.__version__,
-        "cpu_count": os.cpu_count(), "parameters": psi, "hidden": hidden, "depth": depth,
-        "batch_size": batch_size, "steps": steps, "rows": rows,
-    }
+    return rows
 
 
 def available_engines():
@@ -215,5 +228,5 @@ def format_report(result):
         f"{result['hidden']} ({result['parameters'] / 1e6:.2f} M parameters), fp32 Adam, batch "
         f"{result['batch_size']} per rank; formula: the ZeRO paper's (4 + 4 + 8) Psi split by stage; "
         f"{result['backend']} on {result['device']}, torch {result['torch_version']}, "
-        f"{result['cpu_count']} CPU cores\n\n{table}"
+        f"{result['cpu_count']} CPU cores\n{ratio_header(REFERENCE)}; {BYTES_RATIO}\n\n{table}"
     )

@@ -1,0 +1,107 @@
+"""One ratio convention in every bench: ratio = time of parlab / time of the reference (below 1,
+parlab is faster), stated in each table's header and each JSON result. Checked on small
+made-up measurements, so nothing is timed here."""
+
+import re
+
+import pytest
+
+from parlab.bench import collectives, ddp, pipeline, ratio_header, runtime, time_ratio, zero
+from parlab.cli import BENCHES
+
+CONVENTION = re.compile(r"ratio = time of parlab / time of .+ \(below 1: parlab is faster\)")
+FAST, SLOW = 1.0, 4.0  # seconds: parlab FAST against a reference SLOW must give a ratio of 1/4
+
+
+def collectives_result():
+    measured = {"seconds": {"torch": SLOW, "naive": 8.0, "ring": FAST, "butterfly": SLOW}, "iters": 3,
+                "backend": "gloo"}
+    rows = collectives.bandwidth_rows(2, 4096, measured)
+    return {"device": "cpu", "backend": "gloo", "torch_version": "t", "cpu_count": 2, "rows": rows}
+
+
+def ddp_result():
+    seconds = {variant: [SLOW, SLOW, 9.0] for variant in ddp.VARIANTS}
+    seconds["bucketed"] = [FAST, 0.5, 7.0]
+    return {"device": "cpu", "backend": "gloo", "torch_version": "t", "cpu_count": 2, "parameters": 72, "width": 8,
+            "depth": 1, "batch_size": 4, "bucket_cap_mb": 25.0, "steps": 3, "rows": ddp.variant_rows(2, seconds)}
+
+
+def pipeline_result():
+    row = {"world_size": 2, "schedule": "1f1b", "v": 1, **pipeline.step_times([FAST, 2.0, 0.5], [SLOW, 3.0, 5.0]),
+           "bubble_measured": 0.3, "bubble_simulated": 0.25, "bubble_formula": 0.2}
+    return {"device": "cpu", "backend": "gloo", "torch_version": "t", "cpu_count": 2, "parameters": 72,
+            "width": 8, "depth": 1, "batch_size": 4, "microbatches": 2, "steps": 3, "sleep_s": 0.002, "repeats": 2,
+            "rows": [row]}
+
+
+def zero_result():
+    def row(implementation, stage, median, total):
+        state = {"params": total / 2, "grads": total / 4, "optimizer": total / 4, "total": total}
+        return {"world_size": 2, "implementation": implementation, "stage": stage,
+                "engine": f"{implementation} {stage}", "bytes": state, "per_rank_total": [total, total],
+                "formula": state, "median_s": median, "seconds": [median]}
+
+    rows = zero.add_ratios([row("parlab", 1, FAST, 300.0), row("torch", 1, SLOW, 400.0), row("parlab", 2, 2.0, 250.0)])
+    return {"device": "cpu", "backend": "gloo", "torch_version": "t", "cpu_count": 2, "parameters": 72,
+            "hidden": 8, "depth": 1, "batch_size": 4, "steps": 1, "rows": rows}
+
+
+def runtime_result():
+    timings = runtime.summarise(3.0, [0.5, FAST, 2.0], [SLOW])
+    return {"world_size": 2, "backend": "gloo", "torch_version": "t", "cpu_count": 2, "repeats": 3,
+            "spawn_repeats": 1, **timings}
+
+
+RESULTS = {"collectives": collectives_result, "ddp": ddp_result, "pipeline": pipeline_result, "zero": zero_result,
+           "runtime": runtime_result}
+
+
+def test_every_bench_is_checked_here():
+    assert set(RESULTS) == set(BENCHES)
+
+
+def test_the_ratio_is_parlab_over_the_reference():
+    assert time_ratio(FAST, SLOW) == 0.25
+    assert CONVENTION.fullmatch(ratio_header("torch DDP"))
+
+
+@pytest.mark.parametrize("name", list(RESULTS))
+def test_every_table_header_states_the_convention(name):
+    module = BENCHES[name]
+    report = module.format_report(RESULTS[name]())
+    header = report.split("\n\n")[0]
+    assert ratio_header(module.REFERENCE) in header
+    assert CONVENTION.search(header), header
+
+
+def test_collectives_ratio_is_time_over_torchs_time():
+    rows = {row["algorithm"]: row for row in collectives_result()["rows"]}
+    assert [rows[name]["ratio"] for name in ("torch", "naive", "ring", "butterfly")] == [1, 2, 0.25, 1]
+    # busbw goes the other way: a quicker algorithm moves more bytes per second
+    assert rows["ring"]["busbw"] == 4 * rows["torch"]["busbw"]
+    assert "time / torch" in collectives.format_report(collectives_result())
+
+
+def test_ddp_ratio_is_median_over_torch_ddps_median():
+    rows = {row["variant"]: row for row in ddp_result()["rows"]}
+    assert rows["bucketed"]["ratio"] == 0.25 and rows["naive"]["ratio"] == 1 and rows["torch"]["ratio"] == 1
+    assert rows["bucketed"]["median_s"] == FAST
+
+
+def test_pipeline_ratio_is_parlabs_median_over_torchs():
+    (row,) = pipeline_result()["rows"]
+    assert (row["parlab_median_s"], row["torch_median_s"], row["ratio"]) == (FAST, SLOW, 0.25)
+
+
+def test_zero_ratios_are_parlab_over_torchs_engine_of_the_same_stage():
+    rows = zero_result()["rows"]
+    assert rows[0]["ratio"] == {"time": 0.25, "bytes": 0.75}
+    assert rows[2]["ratio"] is None and "ratio" not in rows[1]  # torch has no stage-2 engine
+    header = zero.format_report(zero_result()).split("\n\n")[0]
+    assert "bytes of parlab / bytes of" in header and "below 1: parlab holds less" in header
+
+
+def test_runtime_ratio_is_the_clusters_call_over_a_fresh_spawn():
+    result = runtime_result()
+    assert (result["cluster_median_s"], result["spawn_median_s"], result["ratio"]) == (FAST, SLOW, 0.25)
