@@ -10,7 +10,8 @@ connects every pair).
 
 From these numbers:
 - a start is slow (seconds of silence) beyond ``SLOW_START_RANKS_PER_CORE`` ranks per core:
-  a progress bar counts the ranks that have joined;
+  a progress bar counts the ranks that have started (loaded torch; they join the group
+  together at the end);
 - beyond ``CROWDED_RANKS_PER_CORE`` ranks per core a warning says that ranks time-share the
   cores (every call waits for ranks the scheduler has put aside);
 - more ranks than memory or open files allow cannot work: a ValueError says why and what

@@ -62,7 +62,8 @@ class WorkerPool:
         return range(self.placement.world_size)
 
     def start(self):
-        """Start one generation of workers (does not wait for them to join)."""
+        """Start one generation of workers (does not wait for them to join). All start at
+        once: measured, starting them a few at a time is slower, on a busy machine much so."""
         self._generation += 1
         self._reinitialising = False
         self._procs, self._conns, self._files, self._ready = [], [], [], set()
@@ -88,7 +89,10 @@ class WorkerPool:
         the start is expected to be slow. A worker lost while re-joining in the same process
         (``reinit``) is noted in ``take_lost()`` and every worker replaced; one lost while
         starting afresh means the cluster cannot start: the pool shuts down."""
-        bar = _progress_bar(self.placement.world_size, len(self._ready)) if self.progress else None
+        if len(self._ready) == self.placement.world_size:
+            return
+        # Fresh workers only: the same processes re-join their group in a moment.
+        bar = _progress_bar(self.placement.world_size) if self.progress and not self._reinitialising else None
         try:
             self._wait_ready(bar)
         finally:
@@ -106,26 +110,28 @@ class WorkerPool:
                     bar.reset()
 
     def _await_joins(self, deadline, bar):
-        """Take in the next "ready" messages; return the ranks that failed to join instead
-        (rank -> (summary, details)), or {}."""
+        """Take in the next "started" (counted by ``bar``) and "ready" messages; return the
+        ranks that failed to join instead (rank -> (summary, details)), or {}."""
         when = "while rebuilding its process group" if self._reinitialising else "while starting"
         waiting = [conn for rank, conn in enumerate(self._conns) if rank not in self._ready]
-        joined = wait(waiting, max(0.0, deadline - time.monotonic()))
-        if not joined:
+        answered = wait(waiting, max(0.0, deadline - time.monotonic()))
+        if not answered:
             late = sorted(set(self.ranks) - self._ready)
             return {rank: (f"rank {rank} did not join the process group within {self.start_timeout:g} s", "")
                     for rank in late}
-        for conn in joined:
+        for conn in answered:
             rank = self._conns.index(conn)
             message = self.receive(rank)
             if message is None:
                 return {rank: (self.death_line(rank, when), self.last_output(rank))}
+            if message[0] == "started":
+                if bar is not None:
+                    bar.update(1)
+                continue
             if message[0] != "ready":
                 error = message[2].strip().splitlines()[-1]
                 return {rank: (f"rank {rank} could not join the process group {when}: {error}", message[2])}
             self._ready.add(rank)
-            if bar is not None:
-                bar.update(1)
         return {}
 
     def _not_joined(self, reports):
@@ -283,16 +289,17 @@ class WorkerPool:
                 "conn_fd": conn_fd,
                 "stack_fd": stack_fd,
                 "parent_pid": os.getpid(),
+                "start_timeout": self.start_timeout,
                 "sys_path": [p for p in sys.path if p],
             }
         )
         return env
 
 
-def _progress_bar(world_size, joined):
+def _progress_bar(world_size):
     from tqdm.auto import tqdm
 
-    return tqdm(total=world_size, initial=joined, desc="ranks joined", unit="rank")
+    return tqdm(total=world_size, desc="ranks started", unit="rank")
 
 
 def _signal(proc, signum, group=False):

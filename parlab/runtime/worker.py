@@ -6,7 +6,7 @@ PARLAB_WORKER environment variable (JSON) and a socket to the parent on file des
 ``conn_fd``. Messages both ways are pickled tuples:
 
     parent -> worker   ("run", call_id, payload, traced) | ("reinit", generation) | ("exit",)
-    worker -> parent   ("ready", rank) | ("out", stream, text) |
+    worker -> parent   ("started", rank) | ("ready", rank) | ("out", stream, text) |
                        ("done", call_id, ok, result_or_traceback, events)
 """
 
@@ -39,6 +39,11 @@ def main():
     conn = Connection(config["conn_fd"])
     rank = config["rank"]
     try:
+        # Loading torch is most of a start; joining the group ends together for all ranks, so
+        # this is the moment a progress bar can count.
+        import torch.distributed  # noqa: F401
+
+        conn.send_bytes(pickle.dumps(("started", rank)))
         _init_process_group(config, config["generation"])
     except BaseException:
         conn.send_bytes(pickle.dumps(("failed", rank, traceback.format_exc())))
@@ -152,8 +157,10 @@ def _init_process_group(config, generation):
     if config["device_type"] == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # Ranks share the machine's cores; more intra-op threads than cores only thrash.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    # The first ranks wait here for the last to start, as long as the parent waits for all.
     store = dist.TCPStore(
-        "127.0.0.1", config["store_port"], world_size, is_master=False, timeout=timedelta(seconds=60)
+        "127.0.0.1", config["store_port"], world_size, is_master=False,
+        timeout=timedelta(seconds=config["start_timeout"]),
     )
     dist.init_process_group(
         config["backend"],
