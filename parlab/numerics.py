@@ -83,13 +83,16 @@ def rounding_band(reference, decomposed, factor=FACTOR, ulps=ULPS):
       computation in the ranks' decomposition, e.g. one per ring order) of their max
       abs difference from ``reference``; an empty list where the ranks do the very
       operations of the reference and only their kernels may round differently;
-    - floor: ulps x eps of the reference's dtype x its largest magnitude (0 for integers)."""
+    - floor: ulps x eps x the reference's largest magnitude, eps that of the coarsest float
+      dtype among the reference and ``decomposed`` (a float64 reference of fp32 runs: fp32's;
+      0 for integers)."""
     if not isinstance(decomposed, list):
         raise ValueError("decomposed must be a list of one-process results (one per summation order)")
     yardstick = max((max_abs_difference(d, reference) for d in decomposed), default=0.0)
     tensors = [t for t in _named(reference).values() if t.numel()]
     scale = max((t.detach().abs().max().item() for t in tensors), default=0.0)
-    eps = max((torch.finfo(t.dtype).eps for t in tensors if t.dtype.is_floating_point), default=0.0)
+    dtypes = {t.dtype for result in [reference, *decomposed] for t in _named(result).values()}
+    eps = max((torch.finfo(dtype).eps for dtype in dtypes if dtype.is_floating_point), default=0.0)
     floor = ulps * eps * scale
     return factor * yardstick + floor, yardstick, floor
 

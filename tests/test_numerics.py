@@ -109,6 +109,13 @@ def test_the_band_bites_just_above_it_and_float_noise_passes():
         assert_equivalent(moved(reference, "w", 2 * floor, index=0), reference, [reference])
 
 
+def test_the_floor_is_in_the_coarsest_precision_compared():
+    exact = {"g": torch.tensor([0.5, -2.0], dtype=torch.float64)}
+    fp32 = {"g": exact["g"].float()}
+    assert rounding_band(exact, [])[2] == ULPS * torch.finfo(torch.float64).eps * 2.0
+    assert rounding_band(exact, [fp32])[2] == ULPS * torch.finfo(torch.float32).eps * 2.0
+
+
 def test_nan_shapes_and_names_fail_loudly():
     reference = {"w": torch.ones(4)}
     with pytest.raises(AssertionError, match="w: max abs difference nan"):
