@@ -3,10 +3,13 @@ picture for saved notebooks, labels that fit, errors shown in the widget's own o
 a closed cluster replaced, and widget modules that share helpers through _common only."""
 
 import ast
+import base64
 import pathlib
 import re
 
 import matplotlib
+import nbformat
+import nbformat.validator
 import pytest
 import torch
 from IPython.core.interactiveshell import InteractiveShell
@@ -86,7 +89,9 @@ def test_every_widget_leaves_a_static_picture_of_its_first_state(name, shell):
     with capture_output() as captured:
         widget = EVERY_WIDGET[name]()
     pictures = [output.data["image/png"] for output in captured.outputs if "image/png" in output.data]
-    assert pictures == [first_picture(widget)], "one static PNG, the widget's first picture"
+    assert [base64.b64decode(text) for text in pictures] == [first_picture(widget)], "one PNG, the first picture"
+    nbformat.validator.validate(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(outputs=[
+        nbformat.v4.new_output("display_data", output.data) for output in captured.outputs])]))  # saved as is
     assert any("static picture" in output.data.get("text/markdown", "") for output in captured.outputs)
 
 

@@ -11,6 +11,7 @@ Why a guard on every callback: an exception in a callback never reaches the note
 JupyterLab writes it only to its log console, and the widget seems to hang.
 """
 
+import base64
 import html
 import io
 import math
@@ -59,7 +60,9 @@ def show_static(picture, what):
         return
     display(Markdown(f"*{what}: a static picture of the first state, kept with the notebook; "
                      "the live widget below redraws it.*"))
-    display({"image/png": picture, "text/plain": f"<static picture: {what}>"}, raw=True)
+    # Notebook JSON holds a PNG as base64 text: raw bytes would be saved as a list of numbers.
+    display({"image/png": base64.b64encode(picture).decode("ascii"), "text/plain": f"<static picture: {what}>"},
+            raw=True)
 
 
 def button(description, on_click):
