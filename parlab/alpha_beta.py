@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from parlab import p2p, runtime
+from parlab._checks import real_number, whole_number
 
 # The all-reduce algorithms of the lecture; "tree" is tree_reduce followed by tree_broadcast.
 ALLREDUCE_ALGORITHMS = ("naive", "ring", "butterfly", "tree")
@@ -39,8 +40,10 @@ def cost_model(algorithm, D, N, alpha, beta):
     "tree_reduce"       ceil(log2 N) (alpha + D beta)
     ==================  =====================================================
     """
-    if N < 1:
-        raise ValueError(f"cost_model needs N >= 1 ranks, got N={N}.")
+    whole_number("N (the number of ranks)", N, "give the number of ranks as a count, such as N = 4.")
+    real_number("D (bytes in the tensor)", D, "give the tensor's size in bytes, e.g. D = 4 * numel for float32.")
+    real_number("alpha (seconds per message)", alpha, "give the latency in seconds, e.g. alpha = 1e-5.")
+    real_number("beta (seconds per byte)", beta, "give the inverse bandwidth, e.g. beta = 1e-9 for 1 GB/s.")
     if algorithm == "naive":
         return 2 * (N - 1) * (alpha + D * beta)
     if algorithm == "ring":
@@ -69,13 +72,16 @@ def fit_alpha_beta(sizes_bytes, seconds):
     decades and a timing's noise grows with it; unweighted, the largest message's few
     per cent of noise would outweigh alpha itself, which the small messages measure.
     """
+    sizes_bytes, seconds = list(sizes_bytes), list(seconds)
     if len(sizes_bytes) != len(seconds) or len(set(sizes_bytes)) < 2:
         raise ValueError(
             "fit_alpha_beta needs one time per size and at least two different sizes; "
-            f"got {len(sizes_bytes)} sizes ({len(set(sizes_bytes))} different) and {len(seconds)} times."
+            f"got {len(sizes_bytes)} sizes ({len(set(sizes_bytes))} different) and {len(seconds)} times: "
+            "measure at least two message sizes and pass their times in the same order."
         )
-    if min(seconds) <= 0:
-        raise ValueError(f"fit_alpha_beta needs measured times above zero, got {min(seconds)} s.")
+    for D, t in zip(sizes_bytes, seconds):
+        real_number("every size", D, "give message sizes in bytes.")
+        real_number("every time", t, "fit_alpha_beta needs measured times above zero, in seconds.", above=True)
     weights = [1 / t**2 for t in seconds]
     mean_D, mean_t = (sum(w * x for w, x in zip(weights, xs)) / sum(weights) for xs in (sizes_bytes, seconds))
     covariance = sum(w * (D - mean_D) * (t - mean_t) for w, D, t in zip(weights, sizes_bytes, seconds))
@@ -92,8 +98,10 @@ def measure_p2p(sizes, repeats=10):
     """
     if dist.get_world_size() < 2:
         raise ValueError("measure_p2p needs two ranks; run it on a cluster with world_size=2.")
-    if repeats < 1 or any(size < 0 for size in sizes):
-        raise ValueError(f"measure_p2p needs repeats >= 1 and sizes >= 0 bytes, got repeats={repeats}, sizes={sizes}.")
+    whole_number("repeats", repeats, "time each size at least once, e.g. repeats=10.")
+    for size in sizes:
+        whole_number("every size", size, "give message sizes as whole numbers of bytes, e.g. [8, 1024, 65536].",
+                     minimum=0)
     rank = dist.get_rank()
     if rank > 1:
         return None

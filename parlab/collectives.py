@@ -32,9 +32,12 @@ import torch
 import torch.distributed as dist
 
 from parlab import p2p
+from parlab._checks import rank as check_rank
+from parlab._checks import whole_number
 
 OPS = ("sum", "avg", "max", "min")
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32, torch.int64)
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
+          torch.int8, torch.uint8, torch.int32, torch.int64)
 COLLECTIVES = ("naive_allreduce", "ring_reduce_scatter", "ring_all_gather", "ring_allreduce",
                "butterfly_allreduce", "tree_broadcast", "tree_reduce")
 MAX_DIMS = 8
@@ -92,10 +95,10 @@ def ring_steps(N, phase=None):
     ``ring_reduce_scatter`` and ``ring_all_gather`` run these steps; ``ring_contributions``
     replays them on paper.
     """
-    if N < 1 or phase not in (None, *RING_PHASES):
-        raise ValueError(
-            f"ring_steps needs N >= 1 and phase None, 'reduce-scatter' or 'all-gather'; got N={N}, phase={phase!r}."
-        )
+    whole_number("N (the number of ranks)", N, "give the ring's size as a count, such as N = 4.")
+    if phase not in (None, *RING_PHASES):
+        raise ValueError(f"phase must be None, 'reduce-scatter' or 'all-gather', got {phase!r}: pass one of them "
+                         "(None: both phases).")
 
     def chunk_of_each_rank(offset):
         return tuple((r + offset) % N for r in range(N))
@@ -174,7 +177,8 @@ def ring_contributions(N, step):
     holds all N ranks; after the all-gather (step 2 (N - 1)) every chunk does.
     """
     steps = ring_steps(N)
-    if not 0 <= step <= len(steps):
+    whole_number("step", step, f"count the steps taken so far, from 0 to 2 (N - 1) = {len(steps)}.", minimum=0)
+    if step > len(steps):
         raise ValueError(f"step must be between 0 and 2 (N - 1) = {len(steps)}, got {step}.")
     held = [[frozenset([r])] * N for r in range(N)]
     for ring_step in steps[:step]:
@@ -342,6 +346,9 @@ def _chunks(flat, parts):
 
 def _prepare(collective, tensor, op, root, check, group=None):
     """Check the call (locally, then across ranks if ``check``); return the flat view and op name."""
+    if not torch.is_tensor(tensor):
+        raise ValueError(f"{collective} works in place on a torch tensor, got {type(tensor).__name__}: pass one, "
+                         "e.g. torch.tensor(values, dtype=torch.float32).")
     if not tensor.is_contiguous():
         raise ValueError(f"{collective} works in place on a contiguous tensor; call .contiguous() on it first.")
     if tensor.dtype not in DTYPES:
@@ -350,9 +357,9 @@ def _prepare(collective, tensor, op, root, check, group=None):
         raise ValueError(f"{collective} supports tensors of at most {MAX_DIMS} dimensions; reshape yours first.")
     if op is not None:
         op = _op_name(op, tensor)
-    N = dist.get_world_size()
-    if root is not None and not 0 <= root < N:
-        raise ValueError(f"root={root} is not a rank; choose a root between 0 and {N - 1}.")
+    if root is not None:
+        N = dist.get_world_size()
+        check_rank("root", root, N, f"choose the rank that holds (or receives) the result, 0 to {N - 1}.")
     if check:
         _check_same_call(collective, tensor, op, root, group)
     return tensor.view(-1), op
@@ -363,7 +370,8 @@ def _op_name(op, tensor):
     if name not in OPS:
         raise ValueError(f"unknown op {op!r}; use one of {', '.join(map(repr, OPS))} or the matching dist.ReduceOp.")
     if name == "avg" and not tensor.is_floating_point():
-        raise ValueError(f"op='avg' divides by N and needs a float tensor, not {tensor.dtype}; convert it with .float().")
+        raise ValueError(f"op='avg' divides by N and needs a float tensor, not {tensor.dtype}; "
+                         "convert it with .float().")
     return name
 
 

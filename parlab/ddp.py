@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from parlab import p2p, trace
+from parlab._checks import real_number
 
 # variant -> (the cap in MiB given to assign_buckets, launched during backward?). A cap of 0
 # gives every parameter a bucket of its own, an infinite cap one bucket for all.
@@ -56,10 +57,12 @@ def assign_buckets(parameters, bucket_cap_mb):
     first, so the first bucket is ready first. A bucket closes when adding the next
     parameter would take it over ``bucket_cap_mb`` MiB; a parameter larger than the cap
     gets a bucket of its own. E.g. sizes [264, 144, 24] bytes with a cap of 168 bytes:
-    [[2, 1], [0]], all-reduces of 168 and 264 bytes.
+    [[2, 1], [0]], all-reduces of 168 and 264 bytes. A cap of 0 gives every parameter a bucket
+    of its own, ``math.inf`` one bucket for all.
     """
-    if bucket_cap_mb < 0:
-        raise ValueError(f"bucket_cap_mb must be at least 0, got {bucket_cap_mb}.")
+    real_number("bucket_cap_mb (the size of a bucket in MiB)", bucket_cap_mb,
+                "pass a number of MiB, e.g. 25 (torch's default); 0 gives every parameter a bucket of its own, "
+                "math.inf one bucket for all.", infinite=True)
     cap = bucket_cap_mb * MB
     buckets, size = [], 0
     for index in reversed(range(len(parameters))):
@@ -102,13 +105,19 @@ class DDP(torch.nn.Module):
     def __init__(self, module, variant="bucketed", bucket_cap_mb=25, all_reduce=None, comm_hook=None,
                  broadcast_buffers=True):
         super().__init__()
-        if variant not in VARIANTS:
-            raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}; got {variant!r}.")
-        if not bucket_cap_mb > 0:
-            raise ValueError(
-                f"bucket_cap_mb is the size of a bucket in MiB and must be positive, got {bucket_cap_mb}; "
-                "25 is torch's default."
-            )
+        if not isinstance(module, torch.nn.Module):
+            raise ValueError(f"DDP wraps a torch.nn.Module, got {type(module).__name__}: pass the model itself.")
+        if not isinstance(variant, str) or variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}; got {variant!r}: pick one "
+                             "of them (\"bucketed\" is torch's DDP).")
+        real_number("bucket_cap_mb (the size of a bucket in MiB)", bucket_cap_mb,
+                    "a bucket must hold something: pass a number of MiB such as 25, torch's default.", above=True,
+                    infinite=True)
+        for name, function in (("all_reduce", all_reduce), ("comm_hook", comm_hook)):
+            if function is not None and not callable(function):
+                raise ValueError(f"{name} must be a function, got {function!r}: pass e.g. "
+                                 f"{'parlab.collectives.ring_allreduce' if name == 'all_reduce' else 'a comm hook'}"
+                                 " itself, not its result.")
         if all_reduce is not None and comm_hook is not None:
             raise ValueError(
                 "pass all_reduce or comm_hook, not both: all_reduce is what the default comm hook "

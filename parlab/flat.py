@@ -1,7 +1,7 @@
 """Flat parameters: a group of tensors as one padded 1-D buffer cut into N_d equal shards.
 
 The sharding helper that ZeRO and FSDP (``parlab.zero``) and the data-parallel columns of a
-pipeline grid (``parlab.pipeline.grid``) share. ZeRO and FSDP shard model state this way. The parameters of a unit (a layer, a block,
+pipeline grid (``parlab.pipeline.grid``) share. The parameters of a unit (a layer, a block,
 the whole model) are laid end to end in one flat buffer of Psi_u elements, padded with
 zeros to a multiple of N_d, and cut into N_d shards of ceil(Psi_u / N_d) elements each.
 The padding makes every shard the same size, so one ring reduce-scatter or all-gather moves
@@ -24,6 +24,8 @@ import math
 import torch
 
 from parlab import collectives
+from parlab._checks import rank as check_rank
+from parlab._checks import whole_number
 
 
 class FlatLayout:
@@ -35,9 +37,13 @@ class FlatLayout:
     """
 
     def __init__(self, shapes, world_size):
-        if world_size < 1:
-            raise ValueError(f"FlatLayout needs world_size >= 1, got {world_size}.")
-        self.shapes = [torch.Size(shape) for shape in shapes]
+        whole_number("world_size (N_d, the number of shards)", world_size,
+                     "pass the number of ranks that share the buffer, e.g. dist.get_world_size().")
+        try:
+            self.shapes = [torch.Size(shape) for shape in shapes]
+        except TypeError:
+            raise ValueError(f"shapes must be a list of tensor shapes, got {shapes!r}: pass "
+                             "[p.shape for p in parameters].") from None
         self.world_size = world_size
         self.numels = [shape.numel() for shape in self.shapes]
         self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]
@@ -55,6 +61,7 @@ class FlatLayout:
 
     def shard_bounds(self, rank):
         """(start, end) of rank ``rank``'s shard in the padded flat buffer."""
+        check_rank("rank", rank, self.world_size, f"this layout has {self.world_size} shards, one per rank.")
         start = self.owned_shard(rank) * self.shard_numel
         return start, start + self.shard_numel
 

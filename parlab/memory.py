@@ -23,6 +23,8 @@ more of them at each stage (bytes per device):
 
 from typing import NamedTuple
 
+from parlab._checks import real_number, whole_number
+
 GB = 1e9  # the ZeRO paper's gigabyte
 STAGES = (0, 1, 2, 3)
 
@@ -207,8 +209,10 @@ def transformer_activation_bytes(s, b, h, a, layers=1, recompute=None, t=1, sequ
     Embeddings and the output layer are not counted.
     """
     _check_sizes(s=s, b=b, h=h, a=a, layers=layers)
-    if t < 1 or h % t or a % t:
-        raise ValueError(f"t (tensor-parallel degree) must be >= 1 and divide h = {h} and a = {a}, got {t}.")
+    whole_number("t (the tensor-parallel degree)", t, "give the number of ranks a layer is split over, 1 for none.")
+    if h % t or a % t:
+        raise ValueError(f"t (the tensor-parallel degree) must divide h = {h} and a = {a}, got {t}: each of the t "
+                         "ranks takes h / t of the hidden size and a / t of the heads; pick a t that divides both.")
     if recompute not in (None, "selective", "full"):
         raise ValueError(f'recompute must be None, "selective" or "full", got {recompute!r}.')
     if recompute == "full":
@@ -220,7 +224,9 @@ def transformer_activation_bytes(s, b, h, a, layers=1, recompute=None, t=1, sequ
 
 def fits(state, device_bytes=80 * GB):
     """Whether ``state`` (a ``ModelState`` or a number of bytes) fits in ``device_bytes``."""
-    total = state.total if isinstance(state, ModelState) else state
+    real_number("device_bytes", device_bytes, "give the device's memory in bytes, e.g. 80 * GB.")
+    total = state.total if isinstance(state, ModelState) else real_number(
+        "state", state, "pass a ModelState (from model_state_bytes) or a number of bytes.")
     return total <= device_bytes
 
 
@@ -263,22 +269,34 @@ def _count_unique_storages(tensors, seen):
 
 
 def _check_stage(stage):
-    if stage not in STAGES:
-        raise ValueError(f"stage must be a ZeRO stage 0, 1, 2 or 3 (0 is plain data parallelism), got {stage!r}.")
+    if isinstance(stage, bool) or stage not in STAGES:
+        raise ValueError(f"stage must be a ZeRO stage 0, 1, 2 or 3 (0 is plain data parallelism), got {stage!r}: "
+                         "pick one of them.")
 
 
 def _check_ranks(n_d):
-    if n_d < 1 or int(n_d) != n_d:
-        raise ValueError(f"n_d (N_d, the data-parallel degree) must be a whole number of ranks >= 1, got {n_d}.")
+    whole_number("n_d (N_d, the data-parallel degree)", n_d, "give the number of data-parallel ranks, e.g. n_d=64.")
 
 
 def _ranks(gpus_per_node, nodes):
-    if gpus_per_node < 1 or nodes < 1:
-        raise ValueError(f"gpus_per_node and nodes must be at least 1, got {gpus_per_node} and {nodes}.")
+    whole_number("gpus_per_node", gpus_per_node, "give the GPUs (ranks) of one node as a count, e.g. 8.")
+    whole_number("nodes", nodes, "give the number of machines as a count, e.g. 1.")
     return gpus_per_node * nodes
+
+
+_SIZES = {  # what each size means, for the sentence that refuses it
+    "psi": "the number of parameters, e.g. 7.5e9",
+    "largest_layer_psi": "the parameters of the largest layer",
+    "k": "optimizer-state bytes per parameter, e.g. 12 for mixed-precision Adam",
+    "param_bytes": "bytes per parameter, e.g. 2 in fp16",
+    "grad_bytes": "bytes per gradient, e.g. 2 in fp16",
+    "element_bytes": "bytes per element, e.g. 4 in fp32",
+    "buffer_factor": "DeepSpeed's margin on host memory, 1.5 by default",
+    "s": "the sequence length", "b": "the micro-batch size", "h": "the hidden size", "a": "the attention heads",
+    "layers": "the number of transformer layers",
+}
 
 
 def _check_sizes(**sizes):
     for name, value in sizes.items():
-        if value < 0:
-            raise ValueError(f"{name} must be at least 0, got {value}.")
+        real_number(name, value, f"give {_SIZES[name]}.")

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parlab._checks import whole_number
+
 DEPTH, WIDTH, BATCH = 48, 16, 8
 WARMUP_STEPS = 5
 LEARNING_RATE = 1e-3
@@ -33,6 +35,8 @@ LEARNING_RATE = 1e-3
 
 def make_model(depth=DEPTH, width=WIDTH):
     """``depth`` blocks of Linear(width, width) + Tanh: many tiny layers, so Python dominates."""
+    whole_number("depth", depth, f"give the number of blocks, e.g. {DEPTH}.")
+    whole_number("width", width, f"give the features of each layer, e.g. {WIDTH}.")
     layers = []
     for _ in range(depth):
         layers += [nn.Linear(width, width), nn.Tanh()]
@@ -47,6 +51,7 @@ def train_replica(steps, seed=0, start_together=None):
     of the timed steps on ``time.perf_counter_ns``: all processes of one host share that
     clock, so intervals measured on different ranks line up.
     """
+    _check_steps(steps)
     generator = torch.Generator().manual_seed(seed)
     model = make_model()
     parameters = list(model.parameters())
@@ -79,6 +84,8 @@ def threads_throughput(replicas, steps):
     """Replica-steps per second for ``replicas`` threads of this process, each training its
     own replica for ``steps`` steps: the nn.DataParallel arrangement, without the
     scatter/replicate/gather that nn.DataParallel also pays every step."""
+    whole_number("replicas", replicas, "give the number of threads, each training one replica, e.g. 2.")
+    _check_steps(steps)
     intervals = [None] * replicas
     barrier = threading.Barrier(replicas)
 
@@ -97,7 +104,8 @@ def processes_throughput(cluster, replicas, steps):
     """Replica-steps per second for ``replicas`` ranks of ``cluster`` (one process each:
     the DDP arrangement), each training its own replica for ``steps`` steps. Ranks at or
     above ``replicas`` sit the measurement out."""
-    if not 1 <= replicas <= cluster.world_size:
+    _check_steps(steps)
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= cluster.world_size:
         raise ValueError(
             f"replicas={replicas} needs between 1 and world_size={cluster.world_size} ranks; "
             "ask for fewer replicas or start a larger cluster."
@@ -115,12 +123,17 @@ def compare(cluster, replica_counts=(1, 2, 4), steps=20, repeats=4):
     spoil all the runs of one configuration. Returns ``{"threads": [...], "processes": [...]}``:
     throughputs in replica-steps per second, one per K, in the order of ``replica_counts``.
     """
+    whole_number("repeats", repeats, "measure each configuration at least once; the best run is kept.")
     best = {"threads": [0.0] * len(replica_counts), "processes": [0.0] * len(replica_counts)}
     for _ in range(repeats):
         for i, k in enumerate(replica_counts):
             best["threads"][i] = max(best["threads"][i], threads_throughput(k, steps))
             best["processes"][i] = max(best["processes"][i], processes_throughput(cluster, k, steps))
     return best
+
+
+def _check_steps(steps):
+    whole_number("steps", steps, "time at least one training step per replica, e.g. 20.")
 
 
 def _train_on_rank(replicas, steps):

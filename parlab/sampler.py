@@ -16,9 +16,12 @@ The shards never overlap (apart from the padding repeats) and their union is the
 """
 
 import math
+import numbers
 
 import torch
 import torch.distributed as dist
+
+from parlab._checks import whole_number
 
 
 class DistributedSampler(torch.utils.data.Sampler):
@@ -31,13 +34,19 @@ class DistributedSampler(torch.utils.data.Sampler):
     """
 
     def __init__(self, dataset_or_len, num_replicas=None, rank=None, shuffle=True, seed=0, drop_last=False):
-        length = dataset_or_len if isinstance(dataset_or_len, int) else len(dataset_or_len)
+        if isinstance(dataset_or_len, numbers.Integral) or not hasattr(dataset_or_len, "__len__"):
+            length = whole_number("dataset_or_len", dataset_or_len, "pass the dataset (anything with len) or its "
+                                  "number of samples.", minimum=0)
+        else:
+            length = len(dataset_or_len)
         num_replicas = dist.get_world_size() if num_replicas is None else num_replicas
         rank = dist.get_rank() if rank is None else rank
-        if num_replicas < 1:
-            raise ValueError(f"num_replicas is the number of data-parallel ranks and must be at least 1, got {num_replicas}.")
-        if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank must be between 0 and num_replicas - 1 = {num_replicas - 1}, got {rank}.")
+        whole_number("num_replicas (N_d, the number of data-parallel ranks)", num_replicas,
+                     "give the number of ranks that share the dataset, or leave it out to use the world size.")
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < num_replicas:
+            raise ValueError(f"rank must be between 0 and num_replicas - 1 = {num_replicas - 1}, got {rank!r}: pass "
+                             "this rank's place among the num_replicas ranks, or leave it out to use dist.get_rank().")
+        whole_number("seed", seed, "give a whole number >= 0; every rank must pass the same one.", minimum=0)
         self.length, self.num_replicas, self.rank = length, num_replicas, rank
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.epoch = 0
@@ -47,7 +56,7 @@ class DistributedSampler(torch.utils.data.Sampler):
     def set_epoch(self, epoch):
         """Use the permutation of epoch ``epoch`` (call it on every rank before each epoch,
         or every epoch reads the samples in the same order)."""
-        self.epoch = epoch
+        self.epoch = whole_number("epoch", epoch, "count epochs from 0, the same on every rank.", minimum=0)
 
     def __iter__(self):
         if self.shuffle:

@@ -171,6 +171,9 @@ OTHER_COMPUTE, OTHER_COMM = "tab:gray", "tab:brown"
 def plot_timeline(timeline, ax=None, title=None):
     """Gantt chart of a ``parlab.trace.Timeline``: one row per rank (rank 0 on top), compute
     spans in the upper half of a row, communication in the lower half, time in ms."""
+    if not isinstance(timeline, Timeline):
+        raise ValueError(f"plot_timeline draws a parlab.trace.Timeline, got {type(timeline).__name__}: pass what "
+                         "cluster.trace(...) returns.")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 

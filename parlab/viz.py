@@ -19,6 +19,9 @@ def plot_collective(before, after, title, axes=None):
     """
     import matplotlib.pyplot as plt
 
+    if len(before) != len(after):
+        raise ValueError(f"before and after need one row per rank each, got {len(before)} and {len(after)} rows: "
+                         "pass a row (or None) for every rank on both sides.")
     width = max(_longest(before), _longest(after))
     if axes is None:
         _, axes = plt.subplots(

@@ -58,5 +58,5 @@ def test_command_line_json(capsys):
 
 @pytest.mark.timeout(60)
 def test_a_bucket_cap_of_zero_is_refused():
-    with pytest.raises(ValueError, match="bucket_cap_mb must be positive"):
+    with pytest.raises(ValueError, match="bucket_cap_mb must be above 0"):
         bench_ddp(world_sizes=[2], bucket_cap_mb=0)

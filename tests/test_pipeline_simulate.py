@@ -145,8 +145,8 @@ def test_bubble_fraction_of_a_measured_timeline_counts_compute_only():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(t_w=1), "has no W actions, so its B is the whole backward"),
-    (dict(t_f=0), "times must be t_f > 0"),
-    (dict(t_comm=-1), "t_comm >= 0"),
+    (dict(t_f=0), r"t_f \(the time of a forward\) must be above 0"),
+    (dict(t_comm=-1), r"t_comm .* must be at least 0"),
 ])
 def test_simulate_rejects_impossible_times(kwargs, message):
     with pytest.raises(ValueError, match=message):

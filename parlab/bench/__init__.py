@@ -20,6 +20,8 @@ import json
 import math
 import sys
 
+from parlab._checks import real_number, whole_number
+
 
 def positive_int(text):
     """argparse type for a count of ranks or repeats: a whole number of at least 1."""
@@ -30,6 +32,36 @@ def positive_int(text):
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
     return value
+
+
+def positive_number(text):
+    """argparse type for a size or a time: a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number above 0 such as 25 or 0.5, got {text!r}")
+    return value
+
+
+def check_arguments(device="cpu", **counts):
+    """Refuse bad arguments of a bench function before any rank starts: ``device`` "cpu" or
+    "cuda", and each count (or each entry of a list of counts, such as world_sizes) a whole
+    number of at least 1."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}: pick where the tensors live.")
+    for name, value in counts.items():
+        several = isinstance(value, (list, tuple, range))
+        if several and not value:
+            raise ValueError(f"{name} is empty: give at least one value.")
+        for item in value if several else [value]:
+            whole_number(f"each of {name}" if several else name, item, "a count of at least 1, e.g. 2.")
+
+
+def check_seconds(name, seconds):
+    """A time argument of a bench function: a finite number of seconds above 0."""
+    real_number(name, seconds, "give a time in seconds above 0, e.g. 0.05.", above=True)
 
 
 def time_ratio(parlab_s, reference_s):

@@ -22,7 +22,15 @@ import torch
 import torch.distributed as dist
 
 from parlab import collectives, runtime
-from parlab.bench import format_table, positive_int, progress, ratio_header, synchronise, time_ratio
+from parlab.bench import (
+    check_arguments,
+    format_table,
+    positive_int,
+    progress,
+    ratio_header,
+    synchronise,
+    time_ratio,
+)
 
 ALGORITHMS = {
     "torch": lambda x: dist.all_reduce(x),
@@ -55,6 +63,7 @@ def run(args):
 def bench_collectives(world_sizes=(2, 4), sizes=DEFAULT_SIZES, device="cpu"):
     """Measure every algorithm at every (N, S); returns a JSON-ready dict with one row per
     (world_size, size, algorithm): seconds, algbw and busbw (bytes/s), and the time ratio to torch."""
+    check_arguments(device, world_sizes=world_sizes, sizes=sizes)
     rows = []
     for world_size in world_sizes:
         with runtime.Cluster(world_size, device=device) as cluster:
@@ -160,7 +169,7 @@ def _size(text):
     text = text.strip().upper().removesuffix("B")
     try:
         value = int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: "inf"
         value = 0
     if value < 4:
         raise argparse.ArgumentTypeError(f"expected a size of at least 4 bytes such as 4096, 1K or 4M, got {text!r}")

@@ -22,7 +22,18 @@ import torch.distributed as dist
 from torch import nn
 
 from parlab import runtime
-from parlab.bench import format_seconds, format_table, positive_int, progress, ratio_header, synchronise, time_ratio
+from parlab._checks import real_number
+from parlab.bench import (
+    check_arguments,
+    format_seconds,
+    format_table,
+    positive_int,
+    positive_number,
+    progress,
+    ratio_header,
+    synchronise,
+    time_ratio,
+)
 from parlab.ddp import DDP
 
 VARIANTS = ["torch", "naive", "flat", "overlapped", "bucketed"]
@@ -39,7 +50,8 @@ def add_arguments(parser):
     parser.add_argument("--depth", default=4, help="Linear layers (default 4)", **count)
     parser.add_argument("--batch-size", default=64, help="samples per rank and step (default 64)", **count)
     parser.add_argument(
-        "--bucket-cap-mb", type=float, default=25.0, metavar="MB", help="bucket size in MiB (default 25, as torch)"
+        "--bucket-cap-mb", type=positive_number, default=25.0, metavar="MB",
+        help="bucket size in MiB (default 25, as torch)",
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model lives")
 
@@ -54,8 +66,8 @@ def bench_ddp(world_sizes=(2, 4), steps=20, width=1024, depth=4, batch_size=64, 
     """Time a training step of every variant at every world size; returns a JSON-ready dict
     with one row per (world_size, variant): median_s (slowest rank), ratio to torch DDP,
     and the step times. Progress goes to stderr."""
-    if not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}; 25 is torch's default.")
+    check_arguments(device, world_sizes=world_sizes, steps=steps, width=width, depth=depth, batch_size=batch_size)
+    real_number("bucket_cap_mb", bucket_cap_mb, "give the size of a bucket in MiB; 25 is torch's default.", above=True)
     rows, backend = [], None
     for world_size in world_sizes:
         progress("ddp", f"N={world_size}: starting {world_size} ranks ...")

@@ -26,7 +26,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from parlab import runtime
-from parlab.bench import format_seconds, format_table, positive_int, progress, ratio_header, synchronise, time_ratio
+from parlab.bench import (
+    check_arguments,
+    check_seconds,
+    format_seconds,
+    format_table,
+    positive_int,
+    positive_number,
+    progress,
+    ratio_header,
+    synchronise,
+    time_ratio,
+)
 from parlab.bench.ddp import build_mlp, mlp_parameters
 from parlab.pipeline.executor import PipelineExecutor, partition, sleep_pipeline_step
 from parlab.pipeline.schedule import make_schedule
@@ -46,7 +57,7 @@ def add_arguments(parser):
     parser.add_argument("--width", default=512, help="features of every Linear layer (default 512)", **count)
     parser.add_argument("--depth", default=8, help="Linear layers (default 8)", **count)
     parser.add_argument("--batch-size", default=64, help="samples per step, split into M (default 64)", **count)
-    parser.add_argument("--sleep-ms", type=float, default=50.0, metavar="MS",
+    parser.add_argument("--sleep-ms", type=positive_number, default=50.0, metavar="MS",
                         help="F and B time of a sleep stage for the bubble (default 50)")
     parser.add_argument("--repeats", default=3, help="traced sleep steps per schedule (default 3)", **count)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model lives")
@@ -61,12 +72,13 @@ def bench_pipeline(world_sizes=(2, 4), microbatches=8, steps=10, width=512, dept
                    repeats=3, device="cpu"):
     """Step times and bubbles of every valid schedule at every K; returns a JSON-ready dict
     with one row per (world_size, schedule). Progress goes to stderr."""
+    check_arguments(device, world_sizes=world_sizes, microbatches=microbatches, steps=steps, width=width, depth=depth,
+                    batch_size=batch_size, repeats=repeats)
+    check_seconds("sleep_s", sleep_s)
     M = microbatches
     if batch_size % M:
         raise ValueError(f"a batch of {batch_size} samples does not split into M = {M} micro-batches: use a batch "
                          f"size that is a multiple of {M}.")
-    if not sleep_s > 0:
-        raise ValueError(f"the sleep time of a stage must be positive, got {sleep_s * 1e3:g} ms.")
     rows, backend = [], None
     for K in world_sizes:
         names = valid_schedules(K, M, depth)

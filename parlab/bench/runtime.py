@@ -22,7 +22,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import parlab
-from parlab.bench import format_seconds, format_table, percentile, positive_int, progress, ratio_header, time_ratio
+from parlab.bench import (
+    check_arguments,
+    format_seconds,
+    format_table,
+    percentile,
+    positive_int,
+    progress,
+    ratio_header,
+    time_ratio,
+)
 
 # The first calls on a new cluster are slower (first unpickling, lazy imports on the ranks).
 WARMUP_CALLS = 3
@@ -45,11 +54,7 @@ def bench_runtime(world_size=4, repeats=50, spawn_repeats=3):
     """Time a trivial function on ``world_size`` ranks, dispatched to a persistent Cluster
     and run by a fresh ``torch.multiprocessing.spawn``, in one run; returns the result dict
     described in the module docstring. Progress goes to stderr."""
-    if repeats < 1 or spawn_repeats < 1:
-        raise ValueError(
-            f"repeats and spawn_repeats must be at least 1, got {repeats} and {spawn_repeats}; "
-            "a median needs one measurement or more."
-        )
+    check_arguments(repeats=repeats, spawn_repeats=spawn_repeats)
     cluster_start, cluster_times = _time_cluster(world_size, repeats)
     spawn_times = _time_spawn(world_size, spawn_repeats)
     return {

@@ -35,7 +35,16 @@ import torch.distributed as dist
 from torch import nn
 
 from parlab import runtime
-from parlab.bench import format_seconds, format_table, positive_int, progress, ratio_header, synchronise, time_ratio
+from parlab.bench import (
+    check_arguments,
+    format_seconds,
+    format_table,
+    positive_int,
+    progress,
+    ratio_header,
+    synchronise,
+    time_ratio,
+)
 from parlab.bench.ddp import build_mlp, mlp_parameters
 from parlab.memory import FP32_ADAM, measure_model_state, model_state_bytes
 from parlab.zero import ZeroDP
@@ -75,6 +84,7 @@ def bench_zero(world_sizes=(2, 4), steps=10, hidden=1024, depth=4, batch_size=64
     (world_size, engine): bytes (the largest rank's ModelState as a dict), formula (the
     same for the paper), median_s and seconds (slowest rank), and for parlab rows the
     ratios to torch's engine of the same stage (None where torch has none)."""
+    check_arguments(device, world_sizes=world_sizes, steps=steps, hidden=hidden, depth=depth, batch_size=batch_size)
     engines = available_engines()
     psi = mlp_parameters(hidden, depth)
     rows, backend = [], None

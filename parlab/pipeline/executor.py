@@ -58,6 +58,7 @@ would be wasted; parlab's GPipe, like torch's ScheduleGPipe, runs them in order 
 here the last micro-batch's activations stay held through the whole backward phase.
 """
 
+import numbers
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -66,6 +67,7 @@ import torch.distributed as dist
 
 from parlab import p2p, runtime, trace
 from parlab.pipeline.activations import ActivationMeter
+from parlab.pipeline.schedule import Schedule
 from parlab.pipeline.stages import SleepLayer, partition
 
 __all__ = ["PipelineExecutor", "SleepLayer", "partition", "sleep_pipeline_step", "forward_step",
@@ -123,6 +125,7 @@ class PipelineExecutor:
 
     def __init__(self, schedule, stages, loss_fn, checkpoint=None, forward_step=forward_step,
                  backward_step=backward_step, weight_step=weight_step, ranks=None):
+        _check_parts(schedule, stages, loss_fn)
         K = schedule.num_ranks
         world = dist.get_world_size() if dist.is_initialized() else 1
         global_rank = dist.get_rank() if dist.is_initialized() else 0
@@ -133,7 +136,8 @@ class PipelineExecutor:
             ranks = range(K)
         self.ranks = list(ranks)
         if (len(self.ranks) != K or len(set(self.ranks)) != K or global_rank not in self.ranks
-                or not all(0 <= r < world for r in self.ranks)):
+                or not all(isinstance(r, numbers.Integral) and not isinstance(r, bool) and 0 <= r < world
+                           for r in self.ranks)):
             raise ValueError(f"ranks={self.ranks} must be K = {K} distinct global ranks below the world size {world}, "
                              f"this rank ({global_rank}) among them: pass one global rank per schedule rank.")
         self.rank = self.ranks.index(global_rank)
@@ -295,6 +299,18 @@ class PipelineExecutor:
 
     def _header_device(self):
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _check_parts(schedule, stages, loss_fn):
+    if not isinstance(schedule, Schedule):
+        raise ValueError(f"schedule must be a parlab.pipeline Schedule, got {type(schedule).__name__}: make one with "
+                         f"make_schedule(name, K, M) or a generator such as one_f_one_b(K, M).")
+    if not isinstance(stages, dict) or not all(isinstance(m, torch.nn.Module) for m in stages.values()):
+        raise ValueError(f"stages must be a dict from this rank's global stage indices to their modules, got "
+                         f"{type(stages).__name__}: pass {{s: stages[s] for s in schedule.stages_of(rank)}}.")
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn must be a function loss_fn(output, target) -> mean loss, got {loss_fn!r}: pass "
+                         "e.g. torch.nn.functional.mse_loss.")
 
 
 def _header(tensor, device):

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from parlab import p2p, trace
+from parlab._checks import whole_number
 from parlab.collectives import ring_allreduce
 from parlab.flat import FlatLayout
 from parlab.pipeline.executor import PipelineExecutor
@@ -49,6 +50,8 @@ __all__ = ["PipelineDataParallel", "rank_grid"]
 def rank_grid(D, K):
     """The global ranks as D rows (pipelines) of K columns (schedule ranks):
     ``rank_grid(D, K)[d][r] = d K + r``; column r is the data-parallel group of r."""
+    whole_number("D (the number of pipelines)", D, "give the data-parallel degree as a count, such as D = 2.")
+    whole_number("K (the number of ranks of a pipeline)", K, "give the pipeline depth as a count, such as K = 2.")
     return [[d * K + r for r in range(K)] for d in range(D)]
 
 
@@ -69,7 +72,7 @@ class PipelineDataParallel:
     def __init__(self, schedule, stages, loss_fn, data_parallel_degree, checkpoint=None):
         D, K = data_parallel_degree, schedule.num_ranks
         world = dist.get_world_size()
-        if not isinstance(D, int) or D < 1 or world != D * K:
+        if isinstance(D, bool) or not isinstance(D, int) or D < 1 or world != D * K:
             raise ValueError(f"a grid of D = {D!r} pipelines of K = {K} ranks needs D x K ranks, but {world} are "
                              f"running: choose D and K with D x K = {world}, or run on a world of that size.")
         grid = rank_grid(D, K)

@@ -20,10 +20,11 @@ F(s, m) needs F(s - 1, m) (stage 0 reads the input); B(s, m) needs F(s, m) and t
 of B(s + 1, m) (the last stage's loss is computed inside its F); W(s, m) needs B(s, m).
 """
 
-import numbers
 import re
 from dataclasses import dataclass, replace
 from typing import NamedTuple
+
+from parlab._checks import whole_number
 
 KINDS = ("F", "B", "W")
 _ACTION_TEXT = re.compile(r"(\d+)([FBW])(\d+)")
@@ -104,7 +105,7 @@ def gpipe(K, M):
     """GPipe (fill, then drain): rank r runs F(r, 0..M-1), then B(r, 0..M-1). The backwards
     go in micro-batch order 0..M-1, as torch's ScheduleGPipe runs them. Every rank holds
     the activations of all M micro-batches before its first backward."""
-    _check_sizes(K, M)
+    check_sizes(K, M)
     rows = [[Action(r, "F", m) for m in range(M)] + [Action(r, "B", m) for m in range(M)] for r in range(K)]
     return validate(Schedule("gpipe", K, M, 1, rows))
 
@@ -114,12 +115,7 @@ def one_f_one_b(K, M):
     forward and one backward (F, B pairs) until its forwards are done, then the remaining
     K - r - 1 backwards (cool-down). Same bubble as GPipe, but rank r holds at most K - r
     micro-batches of activations instead of M. Needs M >= K."""
-    _check_sizes(K, M)
-    if M < K:
-        raise ValueError(
-            f"1F1B needs at least as many micro-batches as ranks to fill its warm-up (M >= K); got M = {M} < "
-            f"K = {K}: raise M or use gpipe."
-        )
+    _check_warmup("1F1B", K, M)
     rows = [_one_forward_one_backward([Action(r, "F", m) for m in range(M)], [Action(r, "B", m) for m in range(M)],
                                       K - r - 1) for r in range(K)]
     return validate(Schedule("1f1b", K, M, 1, rows))
@@ -133,7 +129,7 @@ def interleaved_1f1b(K, M, v):
     (v - 1) K + 2 (K - r - 1) forwards, then F, B pairs, then the cool-down backwards.
     With chunk times t / v the bubble fraction is (K - 1) / (v M + K - 1). Needs M to be a
     multiple of K."""
-    _check_sizes(K, M, v)
+    check_sizes(K, M, v)
     if M % K:
         raise ValueError(
             f"interleaved 1F1B sends micro-batches through the chunks in rounds of K, so M must be a multiple "
@@ -157,6 +153,7 @@ def zero_bubble_h1(K, M):
     The F/B order and so the activations held are those of 1F1B; each rank's idle time drops
     from (K - 1)(t_f + t_b + t_w) to (K - 1)(t_f + t_b - t_w) when t_w <= t_f and t_w <= t_b.
     Needs M >= K."""
+    _check_warmup("ZB-H1", K, M)
     flush = one_f_one_b(K, M)
     rows = []
     for r, row in enumerate(flush.actions):
@@ -211,8 +208,11 @@ def validate(schedule):
     sizes, the number of rank lists, actions out of range or on the wrong rank, every
     (stage, kind, micro-batch) exactly once (W for all or none), B after its F and W after
     its B on each rank, and freedom from deadlock (``dependency_order``)."""
+    if not isinstance(schedule, Schedule):
+        raise ValueError(f"validate checks a Schedule, got {type(schedule).__name__}: build one with a generator "
+                         f"such as one_f_one_b(K, M), or Schedule(name, K, M, v, actions).")
     K, M, v = schedule.num_ranks, schedule.num_microbatches, schedule.stages_per_rank
-    _check_sizes(K, M, v)
+    check_sizes(K, M, v)
     if len(schedule.actions) != K:
         raise ValueError(f"the schedule has {len(schedule.actions)} action lists for K = {K} ranks: give one per rank.")
     seen = set()
@@ -294,7 +294,14 @@ def _round_microbatch(i, K, v):
     return (i // (K * v)) * K + i % K
 
 
-def _check_sizes(K, M, v=1):
+def check_sizes(K, M, v=1):
+    """K ranks, M micro-batches and v chunks per rank must be whole numbers >= 1 (ValueError)."""
     for symbol, value, meaning in (("K", K, "ranks"), ("M", M, "micro-batches"), ("v", v, "chunks per rank")):
-        if not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"{symbol} (the number of {meaning}) must be a whole number >= 1, got {value!r}.")
+        whole_number(f"{symbol} (the number of {meaning})", value, f"give {symbol} as a count, such as {symbol} = 2.")
+
+
+def _check_warmup(name, K, M):
+    check_sizes(K, M)
+    if M < K:
+        raise ValueError(f"{name} needs at least as many micro-batches as ranks to fill its warm-up (M >= K); got "
+                         f"M = {M} < K = {K}: raise M or use gpipe.")

@@ -19,7 +19,8 @@ timeline of the same schedule; ``Simulation.plot`` labels its axis in the simula
 
 from dataclasses import dataclass
 
-from parlab.pipeline.schedule import dependencies, dependency_order, validate
+from parlab._checks import real_number
+from parlab.pipeline.schedule import check_sizes, dependencies, dependency_order, validate
 from parlab.trace import COMPUTE, Timeline
 
 NS_PER_UNIT = 10**9
@@ -66,9 +67,11 @@ def simulate(schedule, t_f=1.0, t_b=2.0, t_w=0, t_comm=0):
     and a result crossing ranks arrives ``t_comm`` after its producer ends. Returns a
     ``Simulation``."""
     validate(schedule)
-    if not (t_f > 0 and t_b > 0 and t_w >= 0 and t_comm >= 0):
-        raise ValueError(f"times must be t_f > 0, t_b > 0, t_w >= 0, t_comm >= 0; got t_f = {t_f}, t_b = {t_b}, "
-                         f"t_w = {t_w}, t_comm = {t_comm}.")
+    for name, time, meaning, above in (("t_f", t_f, "a forward", True), ("t_b", t_b, "a backward", True),
+                                       ("t_w", t_w, "a weight-gradient step", False),
+                                       ("t_comm", t_comm, "a message between ranks", False)):
+        real_number(f"{name} (the time of {meaning})", time, f"give {name} as a number of time units, e.g. "
+                    f"{name} = {1 if above else 0}.", above=above)
     if t_w and not schedule.has_weight_actions:
         raise ValueError(f"{schedule.name} has no W actions, so its B is the whole backward: add the weight-gradient "
                          f"time to t_b and leave t_w = 0.")
@@ -97,6 +100,9 @@ def bubble_fraction(timeline):
     """The bubble of any ``parlab.trace.Timeline`` (simulated or measured), from its COMPUTE
     events only: 1 - (sum over the K ranks of their busy time) / (K x makespan), the
     makespan running from the first compute start to the last compute end on any rank."""
+    if not isinstance(timeline, Timeline):
+        raise ValueError(f"bubble_fraction reads a parlab.trace.Timeline, got {type(timeline).__name__}: pass what "
+                         "cluster.trace(...) returns, or a Simulation's .timeline.")
     spans = timeline.select(kind=COMPUTE)
     if not spans:
         raise ValueError("the timeline has no compute spans: trace a pipeline step that marks forward/backward.")
@@ -106,6 +112,10 @@ def bubble_fraction(timeline):
 
 def idle_fraction(busy, makespan):
     """1 - sum(busy) / (K makespan), K = len(busy): the share of K ranks' time spent idle."""
+    if not busy:
+        raise ValueError("busy must hold one busy time per rank, got none: pass a list with a time for each rank.")
+    real_number("makespan (the time from the first start to the last end)", makespan,
+                "a bubble needs work that takes time: give the ranks' compute spans durations above 0.", above=True)
     return 1 - sum(busy) / (len(busy) * makespan)
 
 
@@ -113,12 +123,14 @@ def bubble_formula(K, M, v=1):
     """Idle fraction of a GPipe/1F1B step (v = 1) or interleaved 1F1B step (v chunks of time
     t / v) with equal stages: (K - 1) / (v M + K - 1). Each rank idles (K - 1)(t_f + t_b) / v
     out of a step of M (t_f + t_b) + (K - 1)(t_f + t_b) / v."""
+    check_sizes(K, M, v)
     return (K - 1) / (v * M + K - 1)
 
 
 def bubble_ratio_playbook(K, M, v=1):
     """The Ultra-Scale Playbook's bubble: idle time over ideal time, r = (K - 1) / (v M).
     It is the same bubble as ``bubble_formula``: f = r / (1 + r)."""
+    check_sizes(K, M, v)
     return (K - 1) / (v * M)
 
 

@@ -12,10 +12,13 @@ the CPU, so K ranks sleeping on 2 cores take the same time as on K cores, and a 
 bubble can be put beside the simulated one.
 """
 
+import numbers
 import time
 
 import torch
 from torch import nn
+
+from parlab._checks import real_number
 
 
 def partition(model, num_stages, split=None):
@@ -33,15 +36,16 @@ def partition(model, num_stages, split=None):
         raise ValueError(f"partition cuts an nn.Sequential into slices of layers; got {type(model).__name__}: "
                          f"write the model as nn.Sequential(layer, layer, ...).")
     layers, S = list(model), num_stages
-    if not isinstance(S, int) or not 1 <= S <= len(layers):
+    if isinstance(S, bool) or not isinstance(S, numbers.Integral) or not 1 <= S <= len(layers):
         raise ValueError(f"a model of {len(layers)} layers cannot be cut into {S!r} non-empty stages: use "
                          f"between 1 and {len(layers)} stages, or a deeper model.")
     if split is None:
         split = _balanced_split([sum(p.numel() for p in layer.parameters()) for layer in layers], S)
-    elif (len(split) != S or any(not isinstance(n, int) or n < 1 for n in split)
+    elif (not isinstance(split, (list, tuple)) or len(split) != S
+          or any(isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1 for n in split)
           or sum(split) != len(layers)):
-        raise ValueError(f"split={list(split)} must give {S} layer counts, each at least 1, adding up to the "
-                         f"model's {len(layers)} layers.")
+        raise ValueError(f"split={split!r} must give {S} layer counts, each at least 1, adding up to the "
+                         f"model's {len(layers)} layers: list how many layers each stage takes.")
     bounds = [sum(split[:i]) for i in range(S + 1)]
     return [nn.Sequential(*layers[bounds[i]:bounds[i + 1]]) for i in range(S)]
 
@@ -75,8 +79,8 @@ class SleepLayer(nn.Module):
 
     def __init__(self, forward_s, backward_s, weight_s=0.0):
         super().__init__()
-        if min(forward_s, backward_s, weight_s) < 0:
-            raise ValueError(f"sleep times cannot be negative; got {forward_s}, {backward_s}, {weight_s} s.")
+        for name, seconds in (("forward_s", forward_s), ("backward_s", backward_s), ("weight_s", weight_s)):
+            real_number(name, seconds, "sleep times cannot be negative: give each in seconds, e.g. 0.01.")
         self.forward_s, self.backward_s, self.weight_s = forward_s, backward_s, weight_s
         self.weight = nn.Parameter(torch.zeros(()))
 

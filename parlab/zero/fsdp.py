@@ -75,7 +75,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from parlab import p2p, runtime, trace
+from parlab import _checks, p2p, runtime, trace
 from parlab.collectives import ring_all_gather, ring_allreduce, ring_reduce_scatter
 from parlab.flat import FlatLayout
 from parlab.memory import measure_model_state
@@ -100,6 +100,8 @@ class FSDP(nn.Module):
     def __init__(self, model, optimizer_class, strategy="FULL_SHARD", wrap_policy=None, mixed_precision=None,
                  cpu_offload=False, init_fn=None, init_seed=0, shard_group_size=None, **opt_kwargs):
         super().__init__()
+        _checks.module("model", model, "pass the model to shard, built the same on every rank (or on the meta device).")
+        _checks.optimizer_class(optimizer_class)
         N = dist.get_world_size()
         S = _shard_group_size(strategy, N, shard_group_size)
         if mixed_precision not in (None, *LOW_PRECISION):
@@ -279,8 +281,9 @@ class FlatUnit:
 
 
 def _shard_group_size(strategy, N, shard_group_size):
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}; got {strategy!r}.")
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}; got {strategy!r}: pick one "
+                         "(FULL_SHARD is ZeRO stage 3).")
     if shard_group_size is not None and strategy != "HYBRID_SHARD":
         raise ValueError(f"shard_group_size is for HYBRID_SHARD; {strategy} shards over "
                          f"{'1 rank' if strategy == 'NO_SHARD' else 'all ranks'}: drop the argument.")
@@ -292,7 +295,8 @@ def _shard_group_size(strategy, N, shard_group_size):
                              f"needs an even number of ranks, not {N}: use an even world size, pass "
                              f"shard_group_size=S with S dividing {N}, or use FULL_SHARD.")
         return N // 2
-    if shard_group_size < 1 or N % shard_group_size:
+    _checks.whole_number("shard_group_size", shard_group_size, "give the number of ranks of one shard group.")
+    if N % shard_group_size:
         raise ValueError(f"shard_group_size must divide the world size {N} (groups of equal size); "
                          f"got {shard_group_size}.")
     return shard_group_size

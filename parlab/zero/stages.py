@@ -49,7 +49,7 @@ start equal. Checkpoints (full and sharded state dicts, files): ``parlab.zero.ch
 
 import torch
 
-from parlab import p2p, trace
+from parlab import _checks, p2p, trace
 from parlab.flat import FlatLayout, all_gather, reduce_scatter
 from parlab.memory import measure_model_state
 
@@ -73,11 +73,8 @@ class ZeroDP(torch.nn.Module):
                 f"ZeroDP implements ZeRO stages 0, 1 and 2, got stage={stage!r}; stage 3 (parameters "
                 "sharded too) is parlab.zero.FSDP(model, optimizer_class, strategy='FULL_SHARD')."
             )
-        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise ValueError(
-                f"optimizer_class must be a torch optimizer class such as torch.optim.Adam, got "
-                f"{optimizer_class!r}; pass the class and its options (lr=...), the engine builds it over its shard."
-            )
+        _checks.module("model", model, "pass the model to shard, built the same on every rank.")
+        _checks.optimizer_class(optimizer_class)
         self.module, self.stage = model, stage
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         if not self.trainable:

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from parlab import _checks
+
 
 @dataclass(frozen=True)
 class min_params:  # noqa: N801 - used like a function: wrap_policy=min_params(10_000)
@@ -33,6 +35,10 @@ class min_params:  # noqa: N801 - used like a function: wrap_policy=min_params(1
     (elements) not already in a unit below it."""
 
     n: int
+
+    def __post_init__(self):
+        _checks.whole_number("min_params' n", self.n, "a unit needs n >= 1 parameters (elements): give the "
+                             "fewest a unit may hold, e.g. min_params(10_000).")
 
 
 @dataclass
@@ -56,6 +62,7 @@ class UnitPlan:
 def plan_units(model, wrap_policy=None):
     """The units of ``model`` under ``wrap_policy``: a list of ``UnitPlan``, the root first,
     then the other units in module order; only units that own parameters."""
+    _checks.module("model", model, "pass the model whose parameters the units share out.")
     decide = _policy(wrap_policy)
     chosen = set()
 
@@ -139,8 +146,6 @@ def _policy(wrap_policy):
     if wrap_policy == "per_layer":
         return lambda module, free, top: any(True for _ in module.parameters(recurse=False))
     if isinstance(wrap_policy, min_params):
-        if wrap_policy.n < 1:
-            raise ValueError(f"min_params needs n >= 1 parameters per unit, got {wrap_policy.n}.")
         return lambda module, free, top: free >= wrap_policy.n
     if callable(wrap_policy) and not isinstance(wrap_policy, str):
         return lambda module, free, top: bool(wrap_policy(module))
