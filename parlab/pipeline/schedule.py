@@ -178,7 +178,7 @@ SCHEDULES = {
 def make_schedule(name, K, M, v=1):
     """The schedule ``name`` (a key of ``SCHEDULES``) for K ranks and M micro-batches; v
     chunks per rank for "interleaved_1f1b" only. "naive" has no micro-batching: M = 1."""
-    if name not in SCHEDULES:
+    if not isinstance(name, str) or name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}.")
     if name == "interleaved_1f1b":
         return interleaved_1f1b(K, M, v)

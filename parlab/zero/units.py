@@ -100,6 +100,10 @@ def materialize_unit(plan, index, device, init_fn=None, seed=0):
     with the random generator seeded ``seed + index`` (``index``: the unit's place in
     ``plan_units``), so a unit's values do not depend on the other units. A tied parameter gets
     one storage, put in all its slots. Used by FSDP's deferred init and by ``init_by_unit``."""
+    if init_fn is not None and not callable(init_fn):
+        raise ValueError(f"init_fn must be a function init_fn(module) that initialises one module in place, got "
+                         f"{init_fn!r}: pass the function itself, or None for module.reset_parameters().")
+    _checks.whole_number("the seed (init_seed)", seed, "give a whole number >= 0, the same on every rank.", minimum=0)
     for i, (p, slots) in enumerate(zip(plan.parameters, plan.slots)):
         real = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
         for module, attribute in slots:
@@ -119,6 +123,7 @@ def init_by_unit(model, wrap_policy=None, init_fn=None, seed=0):
     ``FSDP(model on the meta device, wrap_policy=..., init_fn=..., init_seed=seed)`` does:
     the single-process reference a learner compares an FSDP run with. The parameters are
     replaced by new ones: build the optimizer afterwards."""
+    _checks.module("model", model, "pass the ordinary model to initialise as FSDP would.")
     device = next(model.parameters()).device
     with torch.no_grad():
         for index, plan in enumerate(plan_units(model, wrap_policy)):
