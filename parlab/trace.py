@@ -94,9 +94,12 @@ def span(name, stage=None, microbatch=None):
 class Timeline:
     """The events of every rank of one traced call, and the call's per-rank results."""
 
-    def __init__(self, events, world_size, results=None, origin_ns=0):
+    def __init__(self, events, world_size, results=None, origin_ns=0, regime="real time"):
         self.world_size = world_size
         self.results = results
+        # How the times came about: "real time", "emulated: link ..." (see
+        # parlab.runtime.emulation) or "simulated"; every plot of the timeline says it.
+        self.regime = regime
         self.events = sorted(
             (
                 Event(r, k, n, (s - origin_ns) / 1e9, (e - origin_ns) / 1e9, p, b, st, mb)
@@ -108,8 +111,25 @@ class Timeline:
     def __repr__(self):
         return (
             f"Timeline({self.world_size} ranks, {len(self.events)} events, "
-            f"{self.duration * 1e3:.2f} ms, {sum(self.bytes_sent())} bytes sent)"
+            f"{self.duration * 1e3:.2f} ms, {sum(self.bytes_sent())} bytes sent; {self.regime})"
         )
+
+    def window(self, span="step", index=-1):
+        """The events inside each rank's ``index``-th span named ``span`` (default: its last
+        "step"), as a Timeline: one step of a loop without the warm-up before it. Mark the
+        steps with ``with trace.span("step"): ...``."""
+        windows = []
+        for rank in range(self.world_size):
+            spans = self.select(rank=rank, kind=COMPUTE, name=span)
+            if not spans or not -len(spans) <= index < len(spans):
+                raise ValueError(
+                    f"rank {rank} has {len(spans)} spans named {span!r}, so there is no span {index}: mark each "
+                    f'step with `with trace.span("{span}"):` in the traced function, or pick another index.'
+                )
+            windows.append(spans[index])
+        step = Timeline([], self.world_size, self.results, regime=self.regime)
+        step.events = [ev for ev in self.events if windows[ev.rank].start <= ev.start <= windows[ev.rank].end]
+        return step
 
     def select(self, rank=None, kind=None, name=None):
         """Events filtered by rank, kind (COMM/COMPUTE) and name, in start order."""
@@ -203,7 +223,10 @@ def plot_timeline(timeline, ax=None, title=None):
     ax.set_ylim(timeline.world_size - 0.5, -0.5)
     ax.set_xlim(0, span_ms * 1.01)
     ax.set_xlabel("time (ms)")
-    ax.set_title(title or f"measured timeline ({timeline.duration * 1e3:.1f} ms)")
+    what = "simulated" if timeline.regime == "simulated" else "measured"
+    heading = title or f"{what} timeline ({timeline.duration * 1e3:.1f} ms)"
+    # Every chart says how its times came about: real, emulated (and how), or simulated.
+    ax.set_title(heading if timeline.regime == "simulated" else f"{heading}\n{timeline.regime}", fontsize=10)
     if legend:
         handles = [Patch(color=colour, label=name) for name, colour in legend.items()]
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)

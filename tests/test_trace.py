@@ -122,3 +122,27 @@ def test_collective_spans_have_colours_of_their_own():
     assert colours[1] == to_rgba("tab:cyan") and colours[2] == to_rgba("tab:pink")  # by the first word
     assert colours[3] == to_rgba("darkgoldenrod") and colours[4] == to_rgba("tab:gray")
     assert len(set(colours)) == 5
+
+
+def _span(rank, name, start, end):
+    return (rank, COMPUTE, name, start, end, None, 0, None, None)
+
+
+def test_window_keeps_what_each_rank_did_inside_its_chosen_step():
+    events = [_span(0, "step", 0, 10), _span(0, "forward", 1, 2), _span(0, "step", 20, 30), _span(0, "forward", 21, 22),
+              _span(1, "step", 5, 15), _span(1, "step", 25, 40), _span(1, "backward", 26, 39), _span(1, "late", 41, 42)]
+    last = Timeline(events, world_size=2, regime="emulated: something").window()
+    assert [(ev.rank, ev.name, ev.start * 1e9) for ev in last.events] == [
+        (0, "step", 20), (0, "forward", 21), (1, "step", 25), (1, "backward", 26)]
+    assert last.regime == "emulated: something"
+    assert [ev.name for ev in Timeline(events, 2).window(index=0).events] == ["step", "forward", "step"]
+    with pytest.raises(ValueError, match='trace.span\\("optimizer"\\)'):
+        Timeline(events, 2).window("optimizer")
+
+
+@pytest.mark.parametrize("regime, shown", [("real time", "real time"), ("emulated: link 1 µs", "emulated: link 1 µs"),
+                                           ("simulated", None)])
+def test_every_timeline_plot_says_how_its_times_came_about(regime, shown):
+    title = Timeline([_span(0, "forward", 0, 5)], 1, regime=regime).plot().get_title()
+    assert (title.endswith("\n" + shown) if shown else title.startswith("simulated timeline"))
+    assert regime in repr(Timeline([], 1, regime=regime))

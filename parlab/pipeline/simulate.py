@@ -93,7 +93,7 @@ def simulate(schedule, t_f=1.0, t_b=2.0, t_w=0, t_comm=0):
     events = [(schedule.rank_of(a.stage), COMPUTE, EVENT_NAMES[a.kind], round(start * NS_PER_UNIT),
                round(end * NS_PER_UNIT), None, 0, a.stage, a.microbatch) for a, (start, end) in times.items()]
     return Simulation(schedule, times, step_time, busy, idle_fraction(busy, step_time),
-                      [_peak_activations(row) for row in schedule.actions], Timeline(events, K))
+                      [_peak_activations(row) for row in schedule.actions], Timeline(events, K, regime="simulated"))
 
 
 def bubble_fraction(timeline):
