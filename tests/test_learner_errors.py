@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parlab import alpha_beta, collectives, ddp, flat, memory, processes_vs_threads, sampler, trace, viz
+from parlab import alpha_beta, collectives, ddp, emulated, flat, memory, processes_vs_threads, sampler, trace, viz
 from parlab.bench import collectives as bench_collectives
 from parlab.bench import ddp as bench_ddp
 from parlab.bench import pipeline as bench_pipeline
@@ -46,8 +46,8 @@ CASES = {
                                    r"use between 1 and 2 stages"),
     "partition split not a list": (lambda: stages.partition(nn.Sequential(LINEAR, LINEAR), 2, split=2),
                                    r"list how many layers each stage takes"),
-    "SleepLayer nan": (lambda: stages.SleepLayer(math.nan, 0.1), r"forward_s .*give each in seconds"),
-    "SleepLayer text": (lambda: stages.SleepLayer(0.1, "0.1"), r"backward_s .*give each in seconds"),
+    "SleepLayer nan": (lambda: emulated.SleepLayer(math.nan, 0.1), r"forward_s .*give each in seconds"),
+    "SleepLayer text": (lambda: emulated.SleepLayer(0.1, "0.1"), r"backward_s .*give each in seconds"),
     "executor without a schedule": (lambda: executor.PipelineExecutor("gpipe", {}, nn.functional.mse_loss),
                                     r"make_schedule\(name, K, M\)"),
     "executor with a list of stages": (lambda: executor.PipelineExecutor(SCHEDULE, [LINEAR], nn.functional.mse_loss),

@@ -40,7 +40,7 @@ from parlab.pipeline.simulate import (
 # plot without it), so the torch-side names are imported on first use.
 _WITH_TORCH = {
     "partition": "parlab.pipeline.stages",
-    "SleepLayer": "parlab.pipeline.stages",
+    "SleepLayer": "parlab.emulated",
     "PipelineExecutor": "parlab.pipeline.executor",
     "sleep_pipeline_step": "parlab.pipeline.executor",
     "PipelineDataParallel": "parlab.pipeline.grid",

@@ -66,9 +66,10 @@ import torch
 import torch.distributed as dist
 
 from parlab import p2p, runtime, trace
+from parlab.emulated import SleepLayer
 from parlab.pipeline.activations import ActivationMeter
 from parlab.pipeline.schedule import Schedule
-from parlab.pipeline.stages import SleepLayer, partition
+from parlab.pipeline.stages import partition
 
 __all__ = ["PipelineExecutor", "SleepLayer", "partition", "sleep_pipeline_step", "forward_step",
            "backward_step", "weight_step"]

@@ -1,24 +1,15 @@
-"""Cutting a model into pipeline stages, and a layer that only takes time.
+"""Cutting a model into pipeline stages.
 
     partition(model, S)          contiguous nn.Sequential stages, balanced by parameter count
-    SleepLayer(t_f, t_b, t_w)    identity on values; forward sleeps t_f, backward t_b (+ t_w)
 
 A pipeline stage is a contiguous slice of an ``nn.Sequential``. ``partition`` returns views
 of the model's own layers (no copies), so the gradients that a pipeline accumulates in the
-stages are the model's gradients.
-
-``SleepLayer`` makes a timeline reproduce a schedule on any machine: ``time.sleep`` releases
-the CPU, so K ranks sleeping on 2 cores take the same time as on K cores, and a measured
-bubble can be put beside the simulated one.
+stages are the model's gradients. Stages that only take time are ``parlab.emulated.SleepLayer``.
 """
 
 import numbers
-import time
 
-import torch
 from torch import nn
-
-from parlab._checks import real_number
 
 
 def partition(model, num_stages, split=None):
@@ -63,64 +54,3 @@ def _balanced_split(sizes, S):
         cuts.append(previous)
     ends = cuts + [len(sizes) - 1]
     return [ends[0] + 1] + [ends[i] - ends[i - 1] for i in range(1, S)]
-
-
-class SleepLayer(nn.Module):
-    """y = x, but the forward sleeps ``forward_s`` seconds and the backward ``backward_s``
-    computing the gradient of x and ``weight_s`` computing the gradient of the layer's one
-    parameter, ``weight`` (a scalar 0 that never changes: its gradient is 0).
-
-    The two backward parts are separate autograd nodes, so a pipeline that splits its
-    backward pays ``backward_s`` in B (gradient w.r.t. the stage input) and ``weight_s`` in
-    W (gradient w.r.t. the parameters); one ordinary backward pays both. The gradient of x
-    is computed (and the time spent) only when x requires grad, as for any layer: give the
-    first stage an input with ``requires_grad=True`` to charge its backward too.
-    """
-
-    def __init__(self, forward_s, backward_s, weight_s=0.0):
-        super().__init__()
-        for name, seconds in (("forward_s", forward_s), ("backward_s", backward_s), ("weight_s", weight_s)):
-            real_number(name, seconds, "sleep times cannot be negative: give each in seconds, e.g. 0.01.")
-        self.forward_s, self.backward_s, self.weight_s = forward_s, backward_s, weight_s
-        self.weight = nn.Parameter(torch.zeros(()))
-
-    def extra_repr(self):
-        return f"forward_s={self.forward_s}, backward_s={self.backward_s}, weight_s={self.weight_s}"
-
-    def forward(self, x):
-        return _SleepThrough.apply(x, self.forward_s, self.backward_s) + _SleepWeight.apply(self.weight, self.weight_s)
-
-
-class _SleepThrough(torch.autograd.Function):
-    """Identity on x; sleeps in forward, and in backward (the gradient of x)."""
-
-    @staticmethod
-    def forward(ctx, x, forward_s, backward_s):
-        _sleep(forward_s)
-        ctx.backward_s = backward_s
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        _sleep(ctx.backward_s)
-        return grad, None, None
-
-
-class _SleepWeight(torch.autograd.Function):
-    """0 * weight; its backward (the weight's gradient, 0) sleeps."""
-
-    @staticmethod
-    def forward(ctx, weight, weight_s):
-        ctx.weight_s = weight_s
-        return torch.zeros_like(weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        _sleep(ctx.weight_s)
-        return torch.zeros_like(grad), None
-
-
-def _sleep(seconds):
-    # time.sleep(0) still yields the CPU, which costs milliseconds on a busy machine
-    if seconds > 0:
-        time.sleep(seconds)

@@ -1,0 +1,82 @@
+"""Emulated devices: a layer that only takes time.
+
+    SleepLayer(t_f, t_b, t_w)    identity on values; forward takes t_f, backward t_b (+ t_w)
+
+A timeline made of these reproduces a schedule on any machine: the layer sleeps instead of
+computing, which releases the CPU, so K ranks on 2 cores take the same time as on K cores,
+and a measured bubble or overlap can be put beside the model's. On a cluster with emulated
+devices (``parlab.Devices``) the declared times are scaled by the rank's slowdown and its
+straggling steps (``parlab.runtime.emulation.compute``); otherwise they are taken as given.
+"""
+
+import torch
+from torch import nn
+
+from parlab._checks import real_number
+from parlab.runtime import emulation
+
+
+class SleepLayer(nn.Module):
+    """y = x, but the forward sleeps ``forward_s`` seconds and the backward ``backward_s``
+    computing the gradient of x and ``weight_s`` computing the gradient of the layer's one
+    parameter, ``weight`` (a scalar 0 that never changes: its gradient is 0).
+
+    The two backward parts are separate autograd nodes, so a pipeline that splits its
+    backward pays ``backward_s`` in B (gradient w.r.t. the stage input) and ``weight_s`` in
+    W (gradient w.r.t. the parameters); one ordinary backward pays both. The gradient of x
+    is computed (and the time spent) only when x requires grad, as for any layer: give the
+    first stage an input with ``requires_grad=True`` to charge its backward too.
+    """
+
+    def __init__(self, forward_s, backward_s, weight_s=0.0):
+        super().__init__()
+        for name, seconds in (("forward_s", forward_s), ("backward_s", backward_s), ("weight_s", weight_s)):
+            real_number(name, seconds, "sleep times cannot be negative: give each in seconds, e.g. 0.01.")
+        self.forward_s, self.backward_s, self.weight_s = forward_s, backward_s, weight_s
+        self.weight = nn.Parameter(torch.zeros(()))
+        self.steps = -1
+
+    def extra_repr(self):
+        return f"forward_s={self.forward_s}, backward_s={self.backward_s}, weight_s={self.weight_s}"
+
+    def forward(self, x):
+        # A forward and the backward that follows it are one step of an emulated device
+        # (a straggling step is slow in both); steps are counted per layer.
+        self.steps += 1
+        return _SleepThrough.apply(x, self.forward_s, self.backward_s, self.steps) + _SleepWeight.apply(
+            self.weight, self.weight_s, self.steps)
+
+
+class _SleepThrough(torch.autograd.Function):
+    """Identity on x; sleeps in forward, and in backward (the gradient of x)."""
+
+    @staticmethod
+    def forward(ctx, x, forward_s, backward_s, step):
+        _sleep(forward_s, step)
+        ctx.backward_s, ctx.step = backward_s, step
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _sleep(ctx.backward_s, ctx.step)
+        return grad, None, None, None
+
+
+class _SleepWeight(torch.autograd.Function):
+    """0 * weight; its backward (the weight's gradient, 0) sleeps."""
+
+    @staticmethod
+    def forward(ctx, weight, weight_s, step):
+        ctx.weight_s, ctx.step = weight_s, step
+        return torch.zeros_like(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _sleep(ctx.weight_s, ctx.step)
+        return torch.zeros_like(grad), None, None
+
+
+def _sleep(seconds, step):
+    # time.sleep(0) still yields the CPU, which costs milliseconds on a busy machine
+    if seconds > 0:
+        emulation.compute(seconds, step)
