@@ -35,8 +35,9 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from parlab import p2p, trace
+from parlab import background, collectives, p2p, trace
 from parlab._checks import real_number
+from parlab.runtime import emulation
 
 # variant -> (the cap in MiB given to assign_buckets, launched during backward?). A cap of 0
 # gives every parameter a bucket of its own, an infinite cap one bucket for all.
@@ -87,7 +88,9 @@ class DDP(torch.nn.Module):
     is used by "bucketed".
     all_reduce: ``all_reduce(tensor)`` sums ``tensor`` in place over all ranks. It may
     return a handle to ``wait()`` for (asynchronous; the default is ``dist.all_reduce``
-    with ``async_op=True``) or return when done (e.g. ``parlab.collectives.ring_allreduce``:
+    with ``async_op=True``, or, when the cluster emulates its links, parlab's ring
+    all-reduce on the rank's communication thread, ``parlab.background``, so that its
+    messages pay the link's time) or return when done (e.g. ``parlab.collectives.ring_allreduce``:
     each bucket is then reduced inside backward, and its sends and receives show up in the
     trace too).
     comm_hook: ``comm_hook(bucket) -> reduced bucket``, the flat 1-D bucket of this rank's
@@ -133,7 +136,7 @@ class DDP(torch.nn.Module):
         if len({p.dtype for p in self.parameters_to_sync}) > 1:
             raise ValueError("a bucket holds one dtype: convert the module to one dtype first, e.g. module.float().")
         self.variant, self.broadcast_buffers = variant, broadcast_buffers
-        self.all_reduce = all_reduce or functools.partial(dist.all_reduce, async_op=True)
+        self.all_reduce = all_reduce or _default_all_reduce()
         self.comm_hook = comm_hook or self.average_with_all_reduce
         self.world_size = dist.get_world_size()
         _broadcast_from_rank0([*module.parameters(), *module.buffers()])
@@ -263,6 +266,12 @@ class AllReduceInFlight:
         nbytes = self.bucket.numel() * self.bucket.element_size()
         trace.record_comm("all_reduce", None, nbytes, self.start, trace.now())
         return self.bucket.div_(self.world_size)
+
+
+def _default_all_reduce():
+    if emulation.shapes_links():
+        return functools.partial(background.start, collectives.ring_allreduce, check=False)
+    return functools.partial(dist.all_reduce, async_op=True)
 
 
 def _broadcast_from_rank0(tensors):
