@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import parlab
+from parlab.runtime.cluster import DEATH_GRACE_S, FAILURE_GRACE_S
 from parlab.runtime.placement import resolve
 
 pytestmark = pytest.mark.timeout(120)
@@ -133,16 +134,59 @@ def test_hang_becomes_rank_timeout_and_the_next_run_works(cluster2):
     assert not any(is_alive(pid) for pid in old_pids)
 
 
-def test_a_worker_that_dies_is_reported_and_replaced(cluster2):
+def test_a_worker_that_dies_is_reported_first_and_replaced(cluster2):
     def die():
         if dist.get_rank() == 1:
             os._exit(3)
-        dist.barrier()
+        dist.barrier()  # fails: rank 1's death closed its connections
 
     with pytest.raises(parlab.RankError) as info:
         cluster2.run(die)
+    assert info.value.ranks == [0, 1] and info.value.dead == [1]
     assert "exited with code 3" in info.value.failures[1]
+    # The cause leads, not the lowest rank's consequence (a lost connection).
+    assert str(info.value).splitlines()[0] == "ranks 0, 1 failed: rank 1's worker exited with code 3 during the call"
     assert cluster2.run(all_reduce_ranks) == [1.0, 1.0]
+
+
+def test_after_a_death_the_others_are_stopped_without_the_failure_grace(cluster2):
+    def die_or_sleep():
+        if dist.get_rank() == 1:
+            os._exit(3)
+        time.sleep(1.5)  # well within FAILURE_GRACE_S, far beyond DEATH_GRACE_S
+
+    assert DEATH_GRACE_S < 1.0 < 1.5 < FAILURE_GRACE_S
+    with pytest.raises(parlab.RankError) as info:
+        cluster2.run(die_or_sleep)
+    assert info.value.ranks == [1] and list(info.value.stuck) == [0]
+    assert "die_or_sleep" in info.value.stuck[0]  # where it was, from its stack
+    assert cluster2.run(all_reduce_ranks) == [1.0, 1.0]
+
+
+def abort_here():
+    if dist.get_rank() == 1:
+        os.abort()  # as gloo does (std::terminate) on a message longer than its receive
+
+
+def test_a_rank_killed_by_a_fatal_signal_leaves_its_python_stack(cluster2):
+    with pytest.raises(parlab.RankError) as info:
+        cluster2.run(abort_here)
+    assert info.value.dead == [1]
+    failure = info.value.failures[1]
+    assert "Fatal Python error: Aborted" in failure
+    assert f'test_runtime.py", line {abort_here.__code__.co_firstlineno + 2} in abort_here' in failure
+    assert failure.splitlines()[-1] == "rank 1's worker was killed by SIGABRT during the call"
+    assert cluster2.run(all_reduce_ranks) == [1.0, 1.0]
+
+
+def test_the_rank_error_heading_leads_with_a_dead_rank():
+    lost = "Traceback ...\nConnectionError: rank 0 lost its connections"
+    died = "Last output of rank 2's worker:\n(none)\nrank 2's worker was killed by SIGKILL during the call"
+    error = parlab.RankError({0: lost, 2: died}, dead=[2])
+    assert str(error).splitlines()[0] == "ranks 0, 2 failed: rank 2's worker was killed by SIGKILL during the call"
+    assert str(parlab.RankError({0: lost, 2: died})).splitlines()[0] == (
+        "ranks 0, 2 failed: ConnectionError: rank 0 lost its connections"
+    )
 
 
 def test_a_function_that_cannot_be_shipped_is_a_value_error(cluster2):

@@ -29,6 +29,10 @@ from parlab.runtime.pool import WorkerPool
 # After the first rank fails, the others get this long to finish before they are taken for
 # stuck (typically waiting in a collective the failed rank never reached) and replaced.
 FAILURE_GRACE_S = 2.0
+# After a worker dies during a call, the others only get this long: its death has broken the
+# process group for every rank, and those talking to it fail at once (their ConnectionErrors
+# say what they sent it); the rest are stuck for good.
+DEATH_GRACE_S = 0.3
 
 
 class Cluster:
@@ -126,9 +130,9 @@ class Cluster:
             origin = time.perf_counter_ns()
             self._dispatch(("run", call_id, payload, traced))
             outputs = {rank: [] for rank in range(self.world_size)}
-            done = {}
+            done, dead = {}, set()
             try:
-                self._collect(call_id, timeout, outputs, done)
+                self._collect(call_id, timeout, outputs, done, dead)
             except KeyboardInterrupt:
                 stuck = self._stop_stuck_ranks(done)
                 _print_outputs(outputs)
@@ -151,7 +155,7 @@ class Cluster:
                     self._pool.restart()
                 else:
                     self._pool.reinit()
-                raise RankError(failures, stuck)
+                raise RankError(failures, stuck, dead=dead)
             if stuck:
                 raise RankTimeout(timeout, stuck, finished=done)
             events = [event for rank in range(self.world_size) for event in done[rank][2]]
@@ -181,14 +185,16 @@ class Cluster:
         lines = [report.splitlines()[-1] for report in lost.values()]
         raise RankError(
             lost,
+            dead=lost,
             summary="; ".join(lines) + ". The call did not run; every worker was replaced (anything the ranks "
             "kept between calls is gone), so run it again.",
         )
 
-    def _collect(self, call_id, timeout, outputs, done):
+    def _collect(self, call_id, timeout, outputs, done, dead):
         """Gather every rank's output and answer into ``outputs`` and ``done`` (rank ->
-        (ok, result or traceback, events)) until all have answered, the timeout runs out, or
-        the grace period after the first failure ends."""
+        (ok, result or traceback, events)), and the ranks whose worker died into ``dead``,
+        until all have answered, the timeout runs out, or the grace period after the first
+        failure ends (a short one after a death)."""
         pool = self._pool
         limit = None if timeout is None else time.monotonic() + timeout
         while len(done) < self.world_size:
@@ -201,12 +207,13 @@ class Cluster:
                 message = pool.receive(rank)
                 if message is None:
                     done[rank] = (False, pool.death_report(rank, "during the call"), [])
+                    dead.add(rank)
                 elif message[0] == "out":
                     outputs[rank].append(message[1:])
                 elif message[0] == "done" and message[1] == call_id:
                     done[rank] = message[2:]
                 if rank in done and not done[rank][0]:
-                    grace_end = time.monotonic() + FAILURE_GRACE_S
+                    grace_end = time.monotonic() + (DEATH_GRACE_S if rank in dead else FAILURE_GRACE_S)
                     limit = grace_end if limit is None else min(limit, grace_end)
 
     def _stop_stuck_ranks(self, done):

@@ -1,21 +1,28 @@
 """What the parent raises when ranks fail or hang: errors that name the ranks and show why."""
 
+import re
 import signal
 
 
 class RankError(RuntimeError):
     """One or more ranks raised an exception (or died) while running a function.
 
-    ``failures`` maps rank -> the remote traceback text; ``stuck`` maps rank -> the Python
-    stack of each rank that was still running when the others failed (usually blocked in a
-    collective that the failed rank never joined). ``summary``, when given, is the first line
-    instead of "rank r failed: <the last line of its traceback>".
+    ``failures`` maps rank -> the remote traceback text (for a rank whose worker died: its
+    last output and how it ended); ``dead`` lists those ranks; ``stuck`` maps rank -> the
+    Python stack of each rank that was still running when the others failed (usually blocked
+    in a collective that the failed rank never joined).
+
+    The first line says what went wrong first: ``summary`` when given; else, when a rank
+    received a message longer than its tensor, ``explain_size_mismatch``'s sentence; else the
+    last line of a dead rank's failure (the others' are usually its consequence: lost
+    connections), or of the lowest failed rank's.
     """
 
-    def __init__(self, failures, stuck=None, summary=None):
+    def __init__(self, failures, stuck=None, summary=None, dead=()):
         self.failures = dict(sorted(failures.items()))
         self.stuck = dict(sorted((stuck or {}).items()))
-        super().__init__(_describe(self.failures, self.stuck, summary))
+        self.dead = sorted(dead)
+        super().__init__(_describe(self.failures, self.stuck, summary or _heading(self.failures, self.dead)))
 
     @property
     def ranks(self):
@@ -52,9 +59,17 @@ def _ranks(ranks):
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def _describe(failures, stuck, summary=None):
-    first = next(iter(failures.values())).strip().splitlines()
-    head = summary or f"{_ranks(failures)} failed: {first[-1] if first else 'no traceback'}"
+def _heading(failures, dead):
+    """The first line of a RankError when no summary is given (see RankError)."""
+    mismatch = explain_size_mismatch(failures)
+    if mismatch:
+        return f"{_ranks(failures)} failed: {mismatch}"
+    lead = failures[dead[0]] if dead else next(iter(failures.values()))
+    lines = lead.strip().splitlines()
+    return f"{_ranks(failures)} failed: {lines[-1] if lines else 'no traceback'}"
+
+
+def _describe(failures, stuck, head):
     if stuck:
         head += (
             f"\n{_ranks(stuck)} were still running (waiting for the failed ranks?) and were "
@@ -100,3 +115,64 @@ def readable_stack(text):
 
 def _plumbing(line):
     return "parlab/runtime/worker.py" in line or "<frozen runpy>" in line
+
+
+def explain_size_mismatch(failures):
+    """One sentence for a receive that gloo aborted because its message was longer than the
+    tensor posted for it, or None when no rank failed that way. ``failures`` maps rank ->
+    the text of its failure (``RankError.failures``): the aborted rank's output holds gloo's
+    byte counts ("op.preamble.length <= op.nbytes. 24 vs 20") and, from faulthandler (see
+    ``parlab.runtime.worker``), the line it was receiving at; the rank that sent the message,
+    if it lived on, said what it sent in its ConnectionError.
+
+    The contract with ``parlab.p2p``: that ConnectionError lists the last messages the rank
+    sent as "to rank <d>, <n> <dtype> elements (<b> bytes)", separated by "; " (``_LAST_SENT``
+    below reads them; ``p2p._connection_lost`` writes them)."""
+    for rank, text in failures.items():
+        gloo = _GLOO_SIZE_MISMATCH.search(text)
+        if gloo is None:
+            continue
+        sent, expected = int(gloo["sent"]), int(gloo["expected"])
+        where = _receiving_line(text)
+        found = _sender(failures, rank, sent)
+        if found is None:
+            return f"rank {rank} received {sent} bytes into a tensor of {expected} bytes{where}: {_SIZE_HINT}"
+        sender, numel, dtype = found
+        size = sent // numel
+        if expected % size:  # not a whole number of the sender's elements: another dtype
+            wanted, numel = f"{expected} bytes", f"{numel} {dtype} elements ({sent} bytes)"
+        else:
+            wanted = f"{expected // size} {dtype} elements"
+        return f"rank {rank} expected {wanted} from rank {sender}{where} but rank {sender} sent {numel}: {_SIZE_HINT}"
+    return None
+
+
+def _sender(failures, rank, nbytes):
+    """(sender, elements, dtype) of a rank whose ConnectionError says it sent ``nbytes`` to ``rank``."""
+    for sender, text in failures.items():
+        for message in _LAST_SENT.finditer(text):
+            if int(message["dst"]) == rank and int(message["nbytes"]) == nbytes and int(message["numel"]):
+                return sender, int(message["numel"]), message["dtype"]
+    return None
+
+
+def _receiving_line(text):
+    """Where the aborted rank was receiving, as " (in ring_reduce_scatter, line 59)": the
+    caller of parlab.p2p in the faulthandler dump in its output (most recent call first);
+    "" when its output holds no dump."""
+    frames = list(_FRAME.finditer(text))
+    for inner, outer in zip(frames, frames[1:]):
+        if _P2P.search(inner["file"]) and not _P2P.search(outer["file"]):
+            place = "" if outer["file"].startswith("<") else f"{outer['file'].rsplit('/', 1)[-1]} "
+            return f" (in {outer['function']}, {place}line {outer['line']})"
+    return ""
+
+
+_SIZE_HINT = (
+    "sender and receiver must agree on every message's size (for chunks, check how chunk "
+    "sizes are computed for uneven lengths)"
+)
+_GLOO_SIZE_MISMATCH = re.compile(r"op\.preamble\.length <= op\.nbytes\. (?P<sent>\d+) vs (?P<expected>\d+)")
+_LAST_SENT = re.compile(r"to rank (?P<dst>\d+), (?P<numel>\d+) (?P<dtype>\w+) elements \((?P<nbytes>\d+) bytes\)")
+_P2P = re.compile(r"[/\\]parlab[/\\]p2p\.py$")  # not a learner's my_p2p.py
+_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<function>\w+)')

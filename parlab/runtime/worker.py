@@ -35,6 +35,10 @@ def main():
     _watch_parent(config["parent_pid"])
     # The parent holds this file too and reads the stacks from it (see parlab.runtime.pool).
     faulthandler.register(signal.SIGUSR1, file=config["stack_fd"], all_threads=True)
+    # A rank that dies of a fatal signal leaves its Python stack in its log, which the parent
+    # shows: gloo aborts a rank (SIGABRT) on a message longer than its receive, from a thread
+    # of its own, and the stack tells which receive it was (see errors.explain_size_mismatch).
+    faulthandler.enable(file=sys.stderr, all_threads=True)
 
     conn = Connection(config["conn_fd"])
     rank = config["rank"]
