@@ -23,10 +23,12 @@ _PLUMBING = {"__main__", "cli", "grading_plugin"}
 
 @functools.cache
 def _submodules():
-    """The package's public modules, found on disk so that a new one needs no list here."""
+    """The package's public modules, found on disk so that a new one needs no list here
+    (a name starting with "_", such as ``_checks``, is private)."""
     import pkgutil
 
-    return frozenset(module.name for module in pkgutil.iter_modules(__path__) if module.name not in _PLUMBING)
+    names = (module.name for module in pkgutil.iter_modules(__path__))
+    return frozenset(name for name in names if name not in _PLUMBING and not name.startswith("_"))
 
 
 def __getattr__(name):

@@ -15,7 +15,10 @@ import parlab.runtime
 
 # The plumbing of the `parlab` command and of pytest; everything else is for learners.
 NOT_PUBLIC = {"__main__", "cli", "grading_plugin"}
-PUBLIC = sorted(module.name for module in pkgutil.iter_modules(parlab.__path__) if module.name not in NOT_PUBLIC)
+PUBLIC = sorted(
+    module.name for module in pkgutil.iter_modules(parlab.__path__)
+    if module.name not in NOT_PUBLIC and not module.name.startswith("_")
+)
 RUNTIME = pathlib.Path(parlab.runtime.__file__).parent
 
 
@@ -51,6 +54,19 @@ def test_import_parlab_does_not_load_torch_or_the_techniques():
     loaded = out.split()
     assert "torch" not in loaded
     assert all(name.startswith("parlab.runtime") or name == "parlab" for name in loaded), loaded
+
+
+@pytest.mark.timeout(60)
+def test_private_modules_are_not_offered():
+    assert (pathlib.Path(parlab.__file__).parent / "_checks.py").is_file()  # exists, and is private
+    assert "_checks" not in PUBLIC
+    out = run_python(
+        "import parlab\n"
+        "print(*(name for name in dir(parlab) if name.startswith('_')))\n"
+        "try:\n    parlab._checks\nexcept AttributeError:\n    print('AttributeError')"
+    )
+    *private, reached = out.split()
+    assert "_checks" not in private and reached == "AttributeError", out
 
 
 def test_unknown_attributes_still_raise_attribute_error():
