@@ -169,7 +169,7 @@ def run():
 
 
 def _all_reduce_rank_plus_one():
-    value = torch.tensor([dist.get_rank() + 1.0], device=parlab.device())
+    value = torch.tensor([dist.get_rank() + 1.0], device=parlab.runtime.device())
     dist.all_reduce(value)
     return int(value.item())
 

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from test_imports import test_one_spelling_for_this_ranks_device as check_one_device_spelling
 
 import parlab
 from parlab import cli, doctor
@@ -60,6 +61,11 @@ def test_all_reduce_smoke_test_passes():
     status, message = doctor.check_all_reduce()
     assert status == doctor.OK, message
     assert "every rank got 3" in message
+
+
+def test_doctor_spells_this_ranks_device_as_the_techniques_do():
+    # doctor keeps `import parlab` (tests replace parlab.launch), but not parlab.device().
+    check_one_device_spelling("parlab.doctor")
 
 
 @pytest.mark.timeout(30)
