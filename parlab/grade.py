@@ -72,23 +72,25 @@ def run_grading(name=None, impl="exercises", root=ROOT, timeout=GRADING_TIMEOUT_
     # Jupyter stack it imports) costs seconds per run. (The ranks dump their own stacks when
     # gloo aborts one, see parlab.runtime.worker: its hint names the line it was receiving at.)
     env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
-    with tempfile.TemporaryDirectory(prefix="parlab-grade-") as tmp:
-        report_path, output_path = Path(tmp) / "report.json", Path(tmp) / "output.txt"
+    # The report and pytest's output go to files without a name, so that nothing is left on
+    # disk whatever ends this process (a kernel restart is a SIGKILL): pytest writes the
+    # report through /dev/fd/N, the descriptor it inherits.
+    with tempfile.TemporaryFile("w+") as report_file, tempfile.TemporaryFile("w+") as log:
         progress_read, progress_write = os.pipe()
         command = [sys.executable, "-m", "pytest", *files, "-q", "-o", "addopts=", "-p", "no:cacheprovider"]
         command += ["-p", "pytest_timeout", "-p", "parlab.grading_plugin"]
-        command += ["--impl", str(impl_dir), "--grade-report", str(report_path)]
+        command += ["--impl", str(impl_dir), "--grade-report", f"/dev/fd/{report_file.fileno()}"]
         command += ["--grade-progress", str(progress_write)]
         if name and name != topic:
             command += ["--grade-task", name]
-        with open(output_path, "w") as output:
-            pytest_process = subprocess.Popen(
-                command, cwd=root, env=env, stdout=output, stderr=subprocess.STDOUT, pass_fds=(progress_write,)
-            )
+        pytest_process = subprocess.Popen(
+            command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+            pass_fds=(progress_write, report_file.fileno()),
+        )
         os.close(progress_write)
         finished = _follow(pytest_process, progress_read, timeout, progress or (lambda line: None))
-        report = json.loads(report_path.read_text()) if report_path.exists() else None
-        output = output_path.read_text()
+        report_text, output = _read_back(report_file), _read_back(log)
+    report = json.loads(report_text) if report_text else None
     if not finished:
         raise RuntimeError(f"grading did not finish within {timeout} s.")
     if report is not None and report["error"]:
@@ -123,6 +125,11 @@ def _follow(process, progress_fd, timeout, progress):
     finally:
         timer.cancel()
     return not timed_out.is_set()
+
+
+def _read_back(file):
+    file.seek(0)
+    return file.read()
 
 
 def _find_impl(impl, root):

@@ -6,9 +6,13 @@ traffic points, a deadlocked implementation costs its points within 30 s, and cl
 mistakes (a DDP hook that all-reduces the weights, full optimizer state on every rank, a
 1F1B backward seeded with 1 instead of 1/M, ...) lose exactly their points, with a reason."""
 
+import contextlib
+import os
 import re
 import shutil
+import signal
 import subprocess
+import sys
 import textwrap
 import time
 
@@ -260,6 +264,29 @@ def test_a_file_that_fails_to_import_is_reported_once(tmp_path):
     assert table.count("could not be imported") == 1 and f"every test: {reason}\n" in table, table
     assert [line.split()[0] for line in lines] == [f"collectives.{task}" for task in TASKS], lines
     assert all(" 0 / 5 tests, 0 / 5 points (" in line for line in lines), lines
+
+
+@pytest.mark.timeout(120)
+def test_a_grader_killed_midway_leaves_no_file(tmp_path):
+    # A kernel restart during parlab.check kills the grading process with SIGKILL.
+    (tmp_path / "collectives.py").write_text("import torch\n\nCHUNKS = world_size\n")  # fails fast
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    script = tmp_path / "grade_then_die.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal
+        from parlab import grade
+        grade.run_grading("collectives", impl={str(tmp_path)!r}, progress=lambda line: os.kill(os.getpid(), 9))
+    """))
+    # Its own session, so that the grading pytest left behind can be stopped with it.
+    process = subprocess.Popen([sys.executable, str(script)], env=dict(os.environ, TMPDIR=str(tmp)),
+                               start_new_session=True, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.wait(timeout=90) == -signal.SIGKILL, process.stderr.read()[-2000:]
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the grading pytest, if it still runs
+            os.killpg(process.pid, signal.SIGKILL)
+    assert os.listdir(tmp) == []
 
 
 def test_a_chunk_size_off_by_one_gets_a_hint_and_costs_one_test_per_task():
