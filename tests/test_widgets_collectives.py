@@ -165,15 +165,18 @@ def test_a_measured_alpha_or_beta_outside_the_sliders_widens_them():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: ring_widget(N=9), "N is the number of ranks in the ring: it must be a whole number from 2 to 8, not 9"),
-    (lambda: ring_widget(N=2.5), "whole number from 2 to 8, not 2.5"),
-    (lambda: plot_alpha_beta(4, 1e-5, 0, [1024]), "beta is the seconds per byte .* above 0, not 0"),
-    (lambda: plot_alpha_beta(4, -1e-5, 1e-9, [1024]), "alpha is the latency .* at least 0, not -1e-05"),
+    (lambda: ring_widget(N=9),
+     "N .the number of ranks in the ring. must be a whole number from 2 to 8, got 9: the step-through draws"),
+    (lambda: ring_widget(N=2.5), "whole number from 2 to 8, got 2.5"),
+    (lambda: plot_alpha_beta(4, 1e-5, 0, [1024]),
+     "beta .seconds per byte. must be above 0 .*, got 0: give the inverse bandwidth"),
+    (lambda: plot_alpha_beta(4, -1e-5, 1e-9, [1024]), "alpha .seconds per message. must be at least 0 .*, got -1e-05"),
     (lambda: plot_alpha_beta(4, 1e-5, 1e-9, []), "give at least one, each above 0"),
-    (lambda: plot_alpha_beta(1, 1e-5, 1e-9, [1024]), "N is the number of ranks: .* at least 2, not 1"),
-    (lambda: prediction_table(4, 1e-5, 1e-9, -1), "D is the message size in bytes: .* at least 0, not -1"),
-    (lambda: prediction_table(4, 1e-5, float("nan"), 1024), "not nan"),
-    (lambda: alpha_beta_widget(alpha=0), "on a log-scale slider: it must be a number above 0, not 0"),
+    (lambda: plot_alpha_beta(1, 1e-5, 1e-9, [1024]),
+     "N .the number of ranks. must be a whole number >= 2, got 1: the model compares"),
+    (lambda: prediction_table(4, 1e-5, 1e-9, -1), "D .bytes in the tensor. must be at least 0 .*, got -1"),
+    (lambda: prediction_table(4, 1e-5, float("nan"), 1024), "got nan"),
+    (lambda: alpha_beta_widget(alpha=0), "must be above 0 .*, got 0: the alpha slider has a log scale"),
 ])
 def test_bad_input_gets_a_sentence_saying_what_to_change(call, message):
     with pytest.raises(ValueError, match=message):

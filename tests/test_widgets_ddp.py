@@ -142,17 +142,20 @@ def test_bucket_widget_redraws_and_updates_its_readout_on_a_slider_move():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: predict_overlap([100], [0.1], -1, BETA), "alpha is the latency .* at least 0, not -1"),
-    (lambda: predict_overlap([100], [-0.1], ALPHA, BETA), "a ready time is seconds .* at least 0, not -0.1"),
-    (lambda: bucket_overlap(three_layers(), 1, ALPHA, BETA, backward_seconds=0), "backward_seconds .* above 0, not 0"),
+    (lambda: predict_overlap([100], [0.1], -1, BETA), "alpha .seconds per all-reduce. must be at least 0 .*, got -1"),
+    (lambda: predict_overlap([100], [-0.1], ALPHA, BETA), "every ready time must be at least 0 .*, got -0.1"),
+    (lambda: bucket_overlap(three_layers(), 1, ALPHA, BETA, backward_seconds=0),
+     "backward_seconds must be above 0 .*, got 0"),
     (lambda: bucket_overlap(three_layers(), 1, ALPHA, BETA, parameter_ready=[0.1]),
      "one time per trainable parameter of the model \\(4\\), got 1"),
-    (lambda: bucket_overlap("model", 1, ALPHA, BETA, 0.1), "as a torch.nn.Module .* not str"),
-    (lambda: bucket_widget(three_layers(), bucket_cap_mb=0), "bucket_cap_mb .* log-scale slider: .* above 0, not 0"),
+    (lambda: bucket_overlap("model", 1, ALPHA, BETA, 0.1), "model must be a torch.nn.Module, got 'model'"),
+    (lambda: bucket_widget(three_layers(), bucket_cap_mb=0),
+     "bucket_cap_mb .* must be above 0 .*, got 0: the bucket slider has a log scale"),
     (lambda: time_single_process_step(build_small_model, small_batch, repeats=0),
-     "repeats is the number of timed steps: it must be a whole number of at least 1, not 0"),
+     "repeats must be a whole number >= 1, got 0"),
     (lambda: measure_bucket_sweep(None, build_small_model, small_batch, []), "give at least one"),
-    (lambda: measure_bucket_sweep(None, build_small_model, small_batch, [1], steps=0), "steps .* at least 1, not 0"),
+    (lambda: measure_bucket_sweep(None, build_small_model, small_batch, [1], steps=0),
+     "steps must be a whole number >= 1, got 0"),
 ])
 def test_bad_input_gets_a_sentence_saying_what_to_change(call, message):
     with pytest.raises(ValueError, match=message):

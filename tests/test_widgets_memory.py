@@ -62,13 +62,13 @@ def test_parse_psi():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: memory_bars(7.5e9, 0), "n_d is the number of data-parallel ranks N_d: .* at least 1, not 0"),
-    (lambda: memory_bars(7.5e9, 64, device_gb=0), "device_gb is the memory of one device in GB: .* above 0, not 0"),
-    (lambda: memory_bars(7.5e9, 64, k=-1), "k is the optimizer's bytes per parameter K: .* at least 0, not -1"),
-    (lambda: memory_readout(7.5e9, 2.5), "whole number of at least 1, not 2.5"),
-    (lambda: memory_widget(n_d=2000), "N_d: it must be a whole number from 1 to 1024, not 2000"),
+    (lambda: memory_bars(7.5e9, 0), "n_d .* must be a whole number >= 1, got 0"),
+    (lambda: memory_bars(7.5e9, 64, device_gb=0), "device_gb must be above 0 .*, got 0"),
+    (lambda: memory_bars(7.5e9, 64, k=-1), "k must be at least 0 .*, got -1"),
+    (lambda: memory_readout(7.5e9, 2.5), "whole number >= 1, got 2.5"),
+    (lambda: memory_widget(n_d=2000), "must be a whole number from 1 to 1024, got 2000: the N_d slider"),
     (lambda: memory_widget(psi="lots"), "like 7.5B, 125M or 1e9, not 'lots'"),
-    (lambda: memory_widget(device_gb=0), "device_gb is the memory of one device in GB: .* from 1 to 10000, not 0"),
+    (lambda: memory_widget(device_gb=0), "device_gb must be a number from 1 to 10000, got 0"),
 ])
 def test_bad_input_gets_a_sentence_saying_what_to_change(call, message):
     with pytest.raises(ValueError, match=message):

@@ -44,13 +44,13 @@ def test_stage_times_divide_by_v_and_split_the_backward_only_for_zb_h1():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: stage_times("interleaved_1f1b", 0), "v is the number of chunks per rank: .* at least 1, not 0"),
-    (lambda: stage_times("1f1b", t_f=0), "t_f is the seconds of one forward: .* above 0, not 0"),
+    (lambda: stage_times("interleaved_1f1b", 0), "v .chunks per rank. must be a whole number >= 1, got 0"),
+    (lambda: stage_times("1f1b", t_f=0), "t_f must be above 0 .*, got 0"),
     (lambda: schedule_widget(name="2f2b"), "one of naive, gpipe, .*, not '2f2b'"),
-    (lambda: schedule_widget(K=9), "K is the number of pipeline ranks, on a slider: .* from 1 to 8, not 9"),
-    (lambda: schedule_widget(M=0), "M is the number of micro-batches, on a slider: .* from 1 to 32, not 0"),
-    (lambda: schedule_widget(tb_over_tf=8), "t_B / t_F, on a slider: .* from 0.5 to 4, not 8"),
-    (lambda: measure_schedule(None, one_f_one_b(2, 2), -0.01, 0.02), "t_f is the seconds .* at least 0, not -0.01"),
+    (lambda: schedule_widget(K=9), "K .the number of ranks. must be a whole number from 1 to 8, got 9: the K slider"),
+    (lambda: schedule_widget(M=0), "M .the number of micro-batches. must be a whole number from 1 to 32, got 0"),
+    (lambda: schedule_widget(tb_over_tf=8), "tb_over_tf .t_B / t_F. must be a number from 0.5 to 4, got 8"),
+    (lambda: measure_schedule(None, one_f_one_b(2, 2), -0.01, 0.02), "t_f must be at least 0 .*, got -0.01"),
 ])
 def test_bad_input_gets_a_sentence_saying_what_to_change(call, message):
     with pytest.raises(ValueError, match=message):

@@ -15,9 +15,12 @@ import base64
 import html
 import io
 import math
+import numbers
 import traceback
 import warnings
 from contextlib import contextmanager
+
+from parlab._checks import refuse
 
 # Every described control gets style=FIT: its label takes the width its text needs instead of
 # ipywidgets' fixed 80 px, which cuts "bucket (MiB)" to "bucket (M...".
@@ -164,20 +167,12 @@ def running_cluster(cluster, feedback):
     return fresh
 
 
-def check_number(name, value, meaning, low=-math.inf, high=math.inf, whole=False, above=False):
-    """A ValueError unless ``value`` is a number (a whole number if ``whole``) from ``low`` to
-    ``high`` (above ``low`` if ``above``); the sentence says what ``name`` means and needs."""
-    try:
-        inside = (low < value if above else low <= value) and value <= high  # False for nan
-    except TypeError:
-        inside = False
-    if isinstance(value, bool) or (whole and not isinstance(value, int)) or not inside:
-        kind = "a whole number" if whole else "a number"
-        if high < math.inf:
-            bounds = f"from {low:g} to {high:g}"
-        else:
-            bounds = f"above {low:g}" if above else f"of at least {low:g}"
-        raise ValueError(f"{name} is {meaning}: it must be {kind} {bounds}, not {value!r}.")
+def in_range(name, value, low, high, fix, whole=False):
+    """``value``, if a control from ``low`` to ``high`` can show it (a whole number if
+    ``whole``); else parlab's ValueError, worded like every other refusal."""
+    kind = numbers.Integral if whole else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind) or not low <= value <= high:  # nan is not
+        refuse(name, f"a {'whole ' if whole else ''}number from {low:g} to {high:g}", value, fix)
     return value
 
 

@@ -7,9 +7,10 @@ alpha-beta model of every all-reduce algorithm with measured times laid over it.
     alpha_beta_widget(measured, N, alpha, beta)   sliders for N, alpha, beta and a size
 """
 
+from parlab._checks import real_number, whole_number
 from parlab.alpha_beta import ALLREDUCE_ALGORITHMS, cost_model
 from parlab.collectives import ring_contributions, ring_steps
-from parlab.widgets._common import FIT, Feedback, check_number, import_ipywidgets, log_slider, png, show_static
+from parlab.widgets._common import FIT, Feedback, import_ipywidgets, in_range, log_slider, png, show_static
 
 # Ring and butterfly share their bandwidth term: the butterfly is dotted so the ring shows through.
 ALGORITHM_STYLES = {
@@ -93,7 +94,7 @@ def ring_widget(N=4):
     (0..2 (N - 1)) redraw ``plot_ring_step``. Displays a static picture of step 0 (kept by a
     saved notebook) and returns an ipywidgets VBox; without ipywidgets, warns and returns the
     static figure."""
-    check_number("N", N, "the number of ranks in the ring", 2, MAX_RANKS, whole=True)
+    in_range("N (the number of ranks in the ring)", N, 2, MAX_RANKS, "the step-through draws 2 to 8 ranks.", whole=True)
     widgets = import_ipywidgets()
     if widgets is None:
         return plot_ring_step(N, 0).figure
@@ -153,8 +154,6 @@ def plot_alpha_beta(N, alpha, beta, sizes, measured=None, ax=None):
 def prediction_table(N, alpha, beta, D):
     """HTML table of each algorithm's predicted time for D bytes on N ranks, split into its
     latency term (the alpha part) and bandwidth term (the beta part); the fastest in bold."""
-    _check_model(N, alpha, beta)
-    check_number("D", D, "the message size in bytes", 0)
     times = {a: cost_model(a, D, N, alpha, beta) for a in ALLREDUCE_ALGORITHMS}
     fastest = min(times, key=times.get)
     rows = []
@@ -177,7 +176,8 @@ def alpha_beta_widget(measured=None, N=4, alpha=1e-5, beta=1e-10):
     Displays a static picture of the first state (kept by a saved notebook) and returns an
     ipywidgets VBox; without ipywidgets, warns and returns the static figure."""
     _check_model(N, alpha, beta)
-    check_number("alpha", alpha, "the latency of one message in seconds, on a log-scale slider", 0, above=True)
+    real_number("alpha (seconds per message)", alpha, "the alpha slider has a log scale: give a latency above 0.",
+                above=True)
     widgets = import_ipywidgets()
     if widgets is None:
         return plot_alpha_beta(N, alpha, beta, SIZES, measured).figure
@@ -203,9 +203,10 @@ def alpha_beta_widget(measured=None, N=4, alpha=1e-5, beta=1e-10):
 
 
 def _check_model(N, alpha, beta):
-    check_number("N", N, "the number of ranks", 2, whole=True)
-    check_number("alpha", alpha, "the latency of one message in seconds", 0)
-    check_number("beta", beta, "the seconds per byte of a link (1 / bandwidth)", 0, above=True)
+    whole_number("N (the number of ranks)", N, "the model compares all-reduce algorithms on 2 ranks or more.", 2)
+    real_number("alpha (seconds per message)", alpha, "give the latency in seconds, e.g. alpha = 1e-5.")
+    real_number("beta (seconds per byte)", beta, "give the inverse bandwidth, above 0: e.g. beta = 1e-9 for 1 GB/s.",
+                above=True)
 
 
 def _ms(seconds):

@@ -18,8 +18,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from parlab._checks import module, real_number, whole_number
 from parlab.ddp import DDP, MB, assign_buckets
-from parlab.widgets._common import Feedback, check_number, import_ipywidgets, log_slider, png, show_static
+from parlab.widgets._common import Feedback, import_ipywidgets, log_slider, png, show_static
 
 # A cluster network, as in lecture 01: alpha = 10 µs per message, 1/beta = 25 GB/s.
 ALPHA, BETA = 10e-6, 1 / 25e9
@@ -49,11 +50,11 @@ def predict_overlap(bucket_bytes, ready_times, alpha, beta):
             f"predict_overlap needs one ready time per bucket and at least one bucket; got "
             f"{len(bucket_bytes)} buckets and {len(ready_times)} ready times."
         )
-    check_number("alpha", alpha, "the latency of one all-reduce in seconds", 0)
-    check_number("beta", beta, "the seconds per byte of an all-reduce (1 / bandwidth)", 0)
+    real_number("alpha (seconds per all-reduce)", alpha, "give the latency in seconds, e.g. alpha = 1e-5.")
+    real_number("beta (seconds per byte)", beta, "give the inverse bandwidth, e.g. beta = 1e-9 for 1 GB/s.")
     for nbytes, ready in zip(bucket_bytes, ready_times):
-        check_number("a bucket's size", nbytes, "its bytes", 0)
-        check_number("a ready time", ready, "seconds after the start of backward", 0)
+        real_number("every bucket's bytes", nbytes, "give the size of each bucket in bytes.")
+        real_number("every ready time", ready, "give the seconds after the start of backward, from 0.")
     intervals, end = [], 0.0
     for nbytes, ready in zip(bucket_bytes, ready_times):
         start = max(ready, end)
@@ -67,8 +68,7 @@ def predict_overlap(bucket_bytes, ready_times, alpha, beta):
 def trainable_parameters(model):
     """``[(name, parameter)]`` of the parameters DDP averages, in registration order (a tied
     parameter once, frozen ones left out), as ``parlab.ddp.DDP`` selects them."""
-    if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"give the model as a torch.nn.Module (the one DDP wraps), not {type(model).__name__}.")
+    module("model", model, "pass the torch.nn.Module that DDP wraps.")
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("the model has no trainable parameters: there is nothing to bucket.")
@@ -95,7 +95,8 @@ def bucket_overlap(model, bucket_cap_mb, alpha, beta, backward_seconds=None, par
     if parameter_ready is None:
         if backward_seconds is None:
             raise ValueError("give backward_seconds (time proportional to size) or parameter_ready (measured).")
-        check_number("backward_seconds", backward_seconds, "the time of one backward pass", 0, above=True)
+        real_number("backward_seconds", backward_seconds, "give the seconds of one backward pass, e.g. 0.01.",
+                    above=True)
         elapsed, parameter_ready = 0.0, [0.0] * len(sizes)
         for index in reversed(range(len(sizes))):
             elapsed += backward_seconds * sizes[index] / sum(sizes)
@@ -164,7 +165,8 @@ def bucket_widget(model, alpha=ALPHA, beta=BETA, backward_seconds=0.01, paramete
     the step and the exposed communication. Displays a static picture of the first state
     (kept by a saved notebook) and returns an ipywidgets VBox; without ipywidgets, warns and
     returns the static figure."""
-    check_number("bucket_cap_mb", bucket_cap_mb, "the bucket size in MiB, on a log-scale slider", 0, above=True)
+    real_number("bucket_cap_mb (the size of a bucket in MiB)", bucket_cap_mb,
+                "the bucket slider has a log scale: give a cap above 0, e.g. 25.", above=True)
     bucket_overlap(model, bucket_cap_mb, alpha, beta, backward_seconds, parameter_ready)  # bad input: ValueError here
     widgets = import_ipywidgets()
     if widgets is None:
@@ -192,7 +194,7 @@ def time_single_process_step(build_model, make_batch, loss_fn=torch.nn.functiona
     backward and optimizer seconds, and of each trainable parameter's gradient-ready time
     (seconds after the start of backward, registration order, from post-accumulate-grad
     hooks). Returns a dict with ``forward``, ``backward``, ``optimizer``, ``parameter_ready``."""
-    check_number("repeats", repeats, "the number of timed steps", 1, whole=True)
+    whole_number("repeats", repeats, "time at least one step, e.g. repeats=5.")
     model = build_model()
     inputs, targets = make_batch(0)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
@@ -230,7 +232,7 @@ def measure_bucket_sweep(cluster, build_model, make_batch, caps_mb, steps=5, los
     caps_mb = list(caps_mb)
     if not caps_mb:
         raise ValueError("caps_mb lists the bucket caps to measure, in MiB: give at least one.")
-    check_number("steps", steps, "the number of timed steps per cap", 1, whole=True)
+    whole_number("steps", steps, "time at least one step per cap, e.g. steps=5.")
     per_rank = cluster.run(_time_bucketed_steps, build_model, make_batch, caps_mb, steps, loss_fn, lr)
     rows = []
     for index, cap in enumerate(caps_mb):

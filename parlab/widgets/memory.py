@@ -17,13 +17,14 @@ import torch
 import torch.distributed as dist
 
 from parlab import zero
+from parlab._checks import real_number
 from parlab.memory import FP32_ADAM, GB, MIXED_ADAM, STAGES, fits, model_state_bytes
 from parlab.widgets._common import (
     FIT,
     Feedback,
     button,
-    check_number,
     import_ipywidgets,
+    in_range,
     png,
     running_cluster,
     show_static,
@@ -65,7 +66,7 @@ def memory_bars(psi, n_d, k=12, param_bytes=2, grad_bytes=2, device_gb=80, ax=No
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    _check_config(psi, n_d, k, param_bytes, grad_bytes, device_gb)
+    _check_device(device_gb)
     if ax is None:
         _, ax = plt.subplots(figsize=FIGSIZE, layout="constrained")
     predicted = {stage: model_state_bytes(psi, stage, n_d, k, param_bytes, grad_bytes) for stage in STAGES}
@@ -99,7 +100,7 @@ def memory_bars(psi, n_d, k=12, param_bytes=2, grad_bytes=2, device_gb=80, ax=No
 def memory_readout(psi, n_d, k=12, param_bytes=2, grad_bytes=2, device_gb=80, highlight=None):
     """An HTML table of ``model_state_bytes`` per stage (GB per device, each part and the
     total) with whether it fits in ``device_gb``; the ``highlight`` row in bold."""
-    _check_config(psi, n_d, k, param_bytes, grad_bytes, device_gb)
+    _check_device(device_gb)
     rows = []
     for stage in STAGES:
         state = model_state_bytes(psi, stage, n_d, k, param_bytes, grad_bytes)
@@ -174,8 +175,8 @@ def memory_widget(cluster=None, psi="7.5B", n_d=64, device_gb=80):
     static figure.
     """
     psi_value = parse_psi(psi)
-    check_number("n_d", n_d, "the number of data-parallel ranks N_d", 1, 1024, whole=True)
-    check_number("device_gb", device_gb, "the memory of one device in GB", 1, 10_000)
+    in_range("n_d (N_d, the data-parallel degree)", n_d, 1, 1024, "the N_d slider goes from 1 to 1024.", whole=True)
+    in_range("device_gb", device_gb, 1, 10_000, "the device box takes 1 to 10,000 GB.")
     widgets = import_ipywidgets()
     if widgets is None:
         return memory_bars(psi_value, n_d, device_gb=device_gb).figure
@@ -234,13 +235,9 @@ def memory_widget(cluster=None, psi="7.5B", n_d=64, device_gb=80):
     return widgets.VBox([*rows, feedback.box, image, readout])
 
 
-def _check_config(psi, n_d, k, param_bytes, grad_bytes, device_gb):
-    check_number("psi", psi, "the number of parameters Psi", 0, math.inf)
-    check_number("n_d", n_d, "the number of data-parallel ranks N_d", 1, whole=True)
-    check_number("k", k, "the optimizer's bytes per parameter K", 0)
-    check_number("param_bytes", param_bytes, "the bytes of one parameter", 0)
-    check_number("grad_bytes", grad_bytes, "the bytes of one gradient", 0)
-    check_number("device_gb", device_gb, "the memory of one device in GB", 0, above=True)
+def _check_device(device_gb):
+    # Psi, N_d, K and the bytes are model_state_bytes' to check; the device is the figure's.
+    real_number("device_gb", device_gb, "give the memory of one device in GB, e.g. 80.", above=True)
 
 
 def _stacked_bar(ax, x, width, state, scale, kind, stage, outlined):

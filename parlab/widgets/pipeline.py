@@ -17,13 +17,14 @@ step times compare directly.
 import html
 import textwrap
 
+from parlab._checks import real_number, whole_number
 from parlab.pipeline import bubble_formula, bubble_fraction, bubble_ratio_playbook, make_schedule, simulate
 from parlab.widgets._common import (
     FIT,
     Feedback,
     button,
-    check_number,
     import_ipywidgets,
+    in_range,
     png,
     running_cluster,
     show_static,
@@ -37,8 +38,8 @@ def stage_times(name, v=1, tb_over_tf=2.0, tw_over_tf=0.0, t_f=1.0):
     one micro-batch takes ``t_f`` and whose backward takes ``tb_over_tf`` t_f, of which
     ``tw_over_tf`` t_f is the weight gradient: divided by v for interleaved chunks; for
     "zb_h1" B is t_b - t_w and W is t_w, for the others B is the whole t_b and t_w = 0."""
-    check_number("v", v, "the number of chunks per rank", 1, whole=True)
-    check_number("t_f", t_f, "the seconds of one forward", 0, above=True)
+    whole_number("v (chunks per rank)", v, "give 1 for one stage per rank, 2 or more to interleave.")
+    real_number("t_f", t_f, "give the time of one forward, above 0.", above=True)
     if not 0 <= tw_over_tf < tb_over_tf:
         raise ValueError(f"t_W / t_F = {tw_over_tf:g} must be at least 0 and below t_B / t_F = {tb_over_tf:g}: "
                          f"the weight gradient is a part of the backward.")
@@ -86,7 +87,7 @@ def measure_schedule(cluster, schedule, t_f, t_b, t_w=0.0, timeout=60, on_step=N
     from parlab.pipeline import sleep_pipeline_step  # the executor needs torch; the figures do not
 
     for name, seconds in (("t_f", t_f), ("t_b", t_b), ("t_w", t_w)):
-        check_number(name, seconds, "the seconds a sleeping stage takes", 0)
+        real_number(name, seconds, "give the seconds a sleeping stage takes, from 0.")
     if cluster.world_size != schedule.num_ranks:
         raise ValueError(f"the cluster has {cluster.world_size} ranks and the schedule K = {schedule.num_ranks}: set "
                          f"K = {cluster.world_size} to run it here.")
@@ -143,11 +144,11 @@ def schedule_widget(cluster=None, name="1f1b", K=4, M=8, v=2, tb_over_tf=2.0, tw
 
     if name not in SCHEDULES:
         raise ValueError(f"name is the schedule to draw: one of {', '.join(SCHEDULES)}, not {name!r}.")
-    check_number("K", K, "the number of pipeline ranks, on a slider", 1, 8, whole=True)
-    check_number("M", M, "the number of micro-batches, on a slider", 1, 32, whole=True)
-    check_number("v", v, "the number of chunks per rank, on a slider", 1, 4, whole=True)
-    check_number("tb_over_tf", tb_over_tf, "t_B / t_F, on a slider", 0.5, 4)
-    check_number("tw_over_tf", tw_over_tf, "t_W / t_F, on a slider", 0, 2)
+    in_range("K (the number of ranks)", K, 1, 8, "the K slider goes from 1 to 8.", whole=True)
+    in_range("M (the number of micro-batches)", M, 1, 32, "the M slider goes from 1 to 32.", whole=True)
+    in_range("v (chunks per rank)", v, 1, 4, "the v slider goes from 1 to 4.", whole=True)
+    in_range("tb_over_tf (t_B / t_F)", tb_over_tf, 0.5, 4, "the t_B / t_F slider goes from 0.5 to 4.")
+    in_range("tw_over_tf (t_W / t_F)", tw_over_tf, 0, 2, "the t_W / t_F slider goes from 0 to 2.")
     widgets = import_ipywidgets()
     if widgets is None:
         return schedule_figure(*applicable(name, K, M, v, tb_over_tf, tw_over_tf))[0].figure

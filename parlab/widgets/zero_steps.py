@@ -37,8 +37,9 @@ Stages 0 to 2 send the same bytes: ZeRO moves the optimizer step of stage 0 from
 all-reduce to between its two halves, where each rank has the averaged gradient of one shard.
 """
 
+from parlab._checks import whole_number
 from parlab.flat import FlatLayout
-from parlab.widgets._common import FIT, Feedback, check_number, import_ipywidgets, png, show_static
+from parlab.widgets._common import FIT, Feedback, import_ipywidgets, in_range, png, show_static
 from parlab.widgets.memory import PART_LABELS, PARTS, STAGE_LABELS
 
 STEP_PHASES = {
@@ -73,7 +74,7 @@ def zero_step_holdings(stage, phase, n_d=4):
     if not 0 <= phase < len(STEP_PHASES[stage]):
         raise ValueError(f"stage {stage} has phases 0 to {len(STEP_PHASES[stage]) - 1} (STEP_PHASES[{stage}]), "
                          f"got phase={phase!r}.")
-    check_number("n_d", n_d, "the number of data-parallel ranks", 1, whole=True)
+    whole_number("n_d (N_d, the data-parallel degree)", n_d, "give the number of data-parallel ranks, e.g. 4.")
     layout = FlatLayout([(n_d,)], n_d)
     return [_rank_holdings(stage, phase, layout.owned_shard(rank), n_d) for rank in range(n_d)]
 
@@ -198,7 +199,8 @@ def _check_stage(stage):
 
 
 def _check_drawable(n_d):
-    check_number("n_d", n_d, "the number of data-parallel ranks the step-through draws", 1, MAX_RANKS, whole=True)
+    in_range("n_d (N_d, the data-parallel degree)", n_d, 1, MAX_RANKS, "the step-through draws 1 to 8 ranks.",
+             whole=True)
 
 
 def _figsize(n_d):
