@@ -28,6 +28,7 @@ import urllib.request
 import pytest
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="the browser test needs playwright (pip install it)")
+pytest.importorskip("jupyterlab", reason="the browser test needs JupyterLab (pip install -e '.[dev]')")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="the browser test needs Chromium (apt-get install chromium)")
 
@@ -39,7 +40,7 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 # no news or update pop-up over the notebook.
 LAB_SETTINGS = {"@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
                 "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False}}
-RUN_ALL_S = 600  # the longest a lecture may take to run all its cells
+RUN_ALL_S = 300  # the longest a lecture may take to run all its cells (each takes under a minute)
 WIDGET_S = 120  # the longest one widget action may take (a button may first start a cluster)
 
 NOTEBOOK = "window.jupyterapp.shell.currentWidget"
@@ -81,7 +82,8 @@ def lab(tmp_path_factory):
         port = probe.getsockname()[1]
     token = secrets.token_hex(16)
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(root / "config"), JUPYTERLAB_SETTINGS_DIR=str(root / "settings"),
-               JUPYTERLAB_WORKSPACES_DIR=str(root / "workspaces"), JUPYTER_RUNTIME_DIR=str(root / "runtime"))
+               JUPYTERLAB_WORKSPACES_DIR=str(root / "workspaces"), JUPYTER_RUNTIME_DIR=str(root / "runtime"),
+               IPYTHONDIR=str(root / "ipython"))
     command = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
                f"--ServerApp.port={port}", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={served}",
                "--LabApp.expose_app_in_browser=True"] + (["--allow-root"] if os.geteuid() == 0 else [])
@@ -105,7 +107,7 @@ def browser(tmp_path_factory):
         context.close()
 
 
-@pytest.mark.timeout(RUN_ALL_S + 600)
+@pytest.mark.timeout(RUN_ALL_S + 300)
 @pytest.mark.parametrize("lecture", LECTURES)
 def test_the_lecture_runs_and_its_widgets_answer_in_jupyterlab(lecture, lab, browser):
     page = browser.new_page()
