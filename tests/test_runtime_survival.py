@@ -32,16 +32,19 @@ def kill_and_wait(pid, signum):
 @pytest.mark.parametrize("call", ["run", "trace"])
 def test_a_worker_killed_while_idle_is_reported_once_then_replaced(call):
     with parlab.Cluster(world_size=2, timeout=60) as cluster:
-        victim = cluster.pids[1]
+        survivor, victim = cluster.pids
         kill_and_wait(victim, signal.SIGKILL)
         assert "rank 1's worker was killed by SIGKILL" in repr(cluster)
 
         with pytest.raises(parlab.RankError) as info:
             getattr(cluster, call)(all_reduce_ranks)
-        assert info.value.ranks == [1]
-        assert str(info.value).startswith("rank 1's worker was killed by SIGKILL while idle (out of memory?).")
-        assert "run it again" in str(info.value).splitlines()[0]
+        assert info.value.ranks == [1] and info.value.dead == [1]
+        assert str(info.value).splitlines()[0] == (
+            "rank 1's worker was killed by SIGKILL while idle (out of memory?). The call did not run; rank 1's "
+            "worker was replaced (anything it kept between calls is gone), so run it again."
+        )
         assert victim not in cluster.pids
+        assert cluster.pids[0] == survivor  # it re-joins the new process group in its own process
         assert repr(cluster).endswith("; restarting>")  # the new workers join during the next call
 
         result = getattr(cluster, call)(all_reduce_ranks)
@@ -51,6 +54,7 @@ def test_a_worker_killed_while_idle_is_reported_once_then_replaced(call):
 
 def test_every_dead_worker_is_named_with_its_signal():
     with parlab.Cluster(world_size=3, timeout=60) as cluster:
+        survivor = cluster.pids[1]
         kill_and_wait(cluster.pids[0], signal.SIGKILL)
         kill_and_wait(cluster.pids[2], signal.SIGTERM)
         with pytest.raises(parlab.RankError) as info:
@@ -58,9 +62,11 @@ def test_every_dead_worker_is_named_with_its_signal():
         assert info.value.ranks == [0, 2]
         assert str(info.value).splitlines()[0].startswith(
             "rank 0's worker was killed by SIGKILL while idle (out of memory?); "
-            "rank 2's worker was killed by SIGTERM while idle."
+            "rank 2's worker was killed by SIGTERM while idle. The call did not run; the workers of ranks 0, 2 "
+            "were replaced"
         )
         assert cluster.run(all_reduce_ranks) == [3.0] * 3
+        assert cluster.pids[1] == survivor
 
 
 def test_close_with_dead_workers_leaves_no_process():
@@ -145,6 +151,33 @@ def test_a_worker_dying_while_its_process_group_is_rebuilt_is_reported_then_repl
         assert info.value.ranks == [1]
         assert str(info.value).startswith("rank 1's worker exited with code 7 while rebuilding its process group.")
         assert cluster.run(all_reduce_ranks) == [1.0, 1.0]
+
+
+def leave_an_operation_that_never_ends():
+    """Ranks 0 and 1 start mismatched collectives on their own group without waiting for
+    them (each waits for the other forever), then every rank fails: the repair rebuilds the
+    process group in the same processes, and leaving the old group waits for those."""
+    if dist.get_rank() in (0, 1):
+        sys.modules["__main__"].LEAVE_TIMEOUT_S = 1.0  # the worker runs as __main__; 10 s is long for a test
+    pair = dist.new_group([0, 1])
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(10), group=pair, async_op=True)
+    elif dist.get_rank() == 1:
+        dist.all_gather([torch.ones(7), torch.ones(7)], torch.ones(7), group=pair, async_op=True)
+    raise ValueError("planned failure")
+
+
+def test_a_rank_that_cannot_leave_its_process_group_is_replaced_within_the_leave_timeout():
+    # Before, the repair waited start_timeout (120 s) for ranks that could never re-join.
+    with parlab.Cluster(world_size=3, timeout=60, start_timeout=60) as cluster:
+        with pytest.raises(parlab.RankError, match="planned failure"):
+            cluster.run(leave_an_operation_that_never_ends)
+        with pytest.raises(parlab.RankError) as info:
+            cluster.run(all_reduce_ranks)
+        head = str(info.value).splitlines()[0]
+        assert "could not leave its process group within 1 s: an operation it started without waiting" in head
+        assert "every worker was replaced" in head and "did not join" not in head
+        assert cluster.run(all_reduce_ranks) == [3.0] * 3
 
 
 def slow_sum(offset):

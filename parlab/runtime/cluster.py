@@ -8,9 +8,11 @@ then dispatches a call in about a millisecond. ``fn`` may be defined in a notebo
 travels by value (cloudpickle). Everything a rank prints is shown after the call, prefixed
 ``[rank r]``, in rank order. A failure on any rank raises ``RankError``; a call that outlives
 its timeout raises ``RankTimeout`` with the stacks of the stuck ranks. Either way the cluster
-repairs itself, so the next call works. A worker that dies between calls (the out-of-memory
-killer, a ``kill -9``) is reported once, by the next call, as a ``RankError`` naming the rank
-and the signal; the workers are replaced and the call after works.
+repairs itself, so the next call works: the workers of dead and stuck ranks are replaced, the
+others re-join a new process group in their own processes (see ``WorkerPool.repair``). A
+worker that dies between calls (the out-of-memory killer, a ``kill -9``) is reported once,
+by the next call, as a ``RankError`` naming the rank and the signal; it is replaced and the
+call after works.
 """
 
 import itertools
@@ -134,11 +136,12 @@ class Cluster:
             try:
                 self._collect(call_id, timeout, outputs, done, dead)
             except KeyboardInterrupt:
-                stuck = self._stop_stuck_ranks(done)
+                stuck = self._stuck_stacks(done)
+                self._repair(dead | set(stuck))
                 _print_outputs(outputs)
-                print(f"Interrupted: {len(stuck)} rank(s) still running; the workers were replaced.", file=sys.stderr)
+                print(f"Interrupted: {len(stuck)} rank(s) still running; their workers were replaced.", file=sys.stderr)
                 raise
-            stuck = self._stop_stuck_ranks(done) if len(done) < self.world_size else {}
+            stuck = self._stuck_stacks(done) if len(done) < self.world_size else {}
             _print_outputs(outputs)
             failures = {rank: detail for rank, (ok, detail, _) in done.items() if not ok}
             if (failures or stuck) and self._closing:
@@ -146,15 +149,9 @@ class Cluster:
                     "this cluster was closed during the call (by close() in another thread), which stopped its "
                     "workers; create a new parlab.Cluster."
                 )
+            if failures or stuck:
+                self._repair(dead | set(stuck))
             if failures:
-                # A failed call may leave unmatched messages in the process group: rebuild it,
-                # in the same processes when all are alive (fast), else with new ones.
-                if stuck:
-                    pass  # _stop_stuck_ranks has replaced every worker already
-                elif self._pool.dead_ranks():
-                    self._pool.restart()
-                else:
-                    self._pool.reinit()
                 raise RankError(failures, stuck, dead=dead)
             if stuck:
                 raise RankTimeout(timeout, stuck, finished=done)
@@ -169,26 +166,24 @@ class Cluster:
     def _dispatch(self, message):
         """Send ``message`` to every rank. Workers found dead (killed while idle, say, by the
         out-of-memory killer, or lost while their process group was rebuilt) are reported
-        once, as a RankError, and every worker is replaced, so the next call works; the call
-        itself does not run."""
-        lost = self._pool.take_lost()  # workers already replaced while re-joining
+        once, as a RankError, and replaced, so the next call works; the call itself does not
+        run."""
+        lost = self._pool.take_lost()  # when one is lost re-joining, every worker is replaced
         dead = self._pool.dead_ranks()
         unreachable = [] if lost or dead else self._pool.send_all(message)
         found = sorted(set(dead) | set(unreachable))
+        if not lost and not found:
+            return
+        # Workers that the message reached are running the call: with a rank gone, it cannot end.
+        replaced = found if found and not lost and not unreachable else list(range(self.world_size))
         for rank in found:
             lost[rank] = self._pool.death_report(rank, "while idle")
-        if not lost:
-            return
         if found:
             self._check_open()
-            self._pool.restart()
-        lines = [report.splitlines()[-1] for report in lost.values()]
-        raise RankError(
-            lost,
-            dead=lost,
-            summary="; ".join(lines) + ". The call did not run; every worker was replaced (anything the ranks "
-            "kept between calls is gone), so run it again.",
-        )
+            self._pool.repair(replaced)
+        how = "; ".join(report.splitlines()[-1] for report in lost.values())
+        what_now = f"The call did not run; {_replaced(replaced, self.world_size)}, so run it again."
+        raise RankError(lost, dead=lost, summary=f"{how}. {what_now}")
 
     def _collect(self, call_id, timeout, outputs, done, dead):
         """Gather every rank's output and answer into ``outputs`` and ``done`` (rank ->
@@ -216,14 +211,17 @@ class Cluster:
                     grace_end = time.monotonic() + (DEATH_GRACE_S if rank in dead else FAILURE_GRACE_S)
                     limit = grace_end if limit is None else min(limit, grace_end)
 
-    def _stop_stuck_ranks(self, done):
-        """Collect the Python stacks of the ranks that have not answered, then replace
-        every worker: a rank stuck in a collective cannot be freed any other way."""
-        stuck = [rank for rank in range(self.world_size) if rank not in done]
-        stacks = self._pool.dump_stacks(stuck)
+    def _stuck_stacks(self, done):
+        """The Python stacks of the ranks that have not answered (rank -> stack)."""
+        return self._pool.dump_stacks([rank for rank in range(self.world_size) if rank not in done])
+
+    def _repair(self, replace):
+        """After a failed or stuck call: rebuild the process group, which may hold unmatched
+        messages, with new workers for the ranks in ``replace`` (dead ones, and stuck ones: a
+        rank stuck in a collective cannot be freed any other way); the others re-join in their
+        own processes. Nothing to do once the cluster is closing."""
         if not self._closing:
-            self._pool.restart()
-        return stacks
+            self._pool.repair(replace)
 
 
 def _serialise(fn, args, kwargs):
@@ -247,6 +245,15 @@ def _deserialise(data, rank):
         raise RankError(
             {rank: f"the result of rank {rank} could not be unpickled in the parent: {exc!r}"}
         ) from exc
+
+
+def _replaced(ranks, world_size):
+    """Which workers a repair replaced, and what that means to the learner."""
+    if len(ranks) == world_size:
+        return "every worker was replaced (anything the ranks kept between calls is gone)"
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}'s worker was replaced (anything it kept between calls is gone)"
+    return f"the workers of ranks {', '.join(map(str, ranks))} were replaced (anything they kept between calls is gone)"
 
 
 def _print_outputs(outputs):

@@ -33,7 +33,8 @@ class RankTimeout(TimeoutError):
     """Ranks were still running when the call's timeout ran out: a hang, or too short a timeout.
 
     ``stuck`` maps each rank still running -> its Python stack at the moment of the timeout.
-    The workers are replaced, so the next ``run`` starts on a fresh process group.
+    Their workers are replaced and the others re-join, so the next ``run`` starts on a fresh
+    process group.
     """
 
     def __init__(self, timeout, stuck, finished):
@@ -45,7 +46,8 @@ class RankTimeout(TimeoutError):
             + (f" ({_ranks(self.finished)} finished)" if self.finished else "")
             + ". A send without a matching recv, or a collective that not every rank calls, "
             "waits forever; the stacks below show where each rank was. "
-            "The workers were replaced: the next run starts fresh."
+            "Their workers were replaced and the others re-joined a new process group: the next run starts "
+            "fresh."
         )
         super().__init__(head + _stacks(self.stuck))
 
@@ -73,7 +75,7 @@ def _describe(failures, stuck, head):
     if stuck:
         head += (
             f"\n{_ranks(stuck)} were still running (waiting for the failed ranks?) and were "
-            "stopped; the workers were replaced"
+            "stopped; their workers, and those of ranks that died, were replaced"
         )
     body = "".join(f"\n\n--- rank {r} ---\n{tb.rstrip()}" for r, tb in failures.items())
     return head + body + _stacks(stuck)

@@ -46,7 +46,7 @@ class WorkerPool:
         self.closed = False
         self._interrupted = False
         self._generation = 0
-        self._reinitialising = False
+        self._fresh = set()  # the ranks whose workers were started for the current generation
         self._procs, self._conns, self._files, self._ready = [], [], [], set()
         self._lost = {}
         # The rendezvous store lives in the parent on a port the OS picks, so clusters never
@@ -65,24 +65,29 @@ class WorkerPool:
         """Start one generation of workers (does not wait for them to join). All start at
         once: measured, starting them a few at a time is slower, on a busy machine much so."""
         self._generation += 1
-        self._reinitialising = False
-        self._procs, self._conns, self._files, self._ready = [], [], [], set()
+        self._fresh, self._ready = set(self.ranks), set()
+        self._procs, self._conns, self._files = [], [], []
         for rank in self.ranks:
-            parent_end, child_end = socket.socketpair()
-            log, stack = tempfile.TemporaryFile(prefix="parlab-"), tempfile.TemporaryFile(prefix="parlab-")
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "parlab.runtime.worker"],
-                stdin=subprocess.PIPE,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                pass_fds=(child_end.fileno(), stack.fileno()),
-                env=self._environment(rank, child_end.fileno(), stack.fileno()),
-                start_new_session=True,
-            )
-            child_end.close()
+            proc, conn, files = self._spawn(rank)
             self._procs.append(proc)
-            self._conns.append(Connection(parent_end.detach()))
-            self._files.append((log, stack))
+            self._conns.append(conn)
+            self._files.append(files)
+
+    def _spawn(self, rank):
+        """Start the worker of ``rank`` for the current generation; (process, connection, files)."""
+        parent_end, child_end = socket.socketpair()
+        log, stack = tempfile.TemporaryFile(prefix="parlab-"), tempfile.TemporaryFile(prefix="parlab-")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "parlab.runtime.worker"],
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            pass_fds=(child_end.fileno(), stack.fileno()),
+            env=self._environment(rank, child_end.fileno(), stack.fileno()),
+            start_new_session=True,
+        )
+        child_end.close()
+        return proc, Connection(parent_end.detach()), (log, stack)
 
     def wait_ready(self):
         """Block until every worker has joined the process group, with a progress bar when
@@ -92,7 +97,7 @@ class WorkerPool:
         if len(self._ready) == self.placement.world_size:
             return
         # Fresh workers only: the same processes re-join their group in a moment.
-        bar = _progress_bar(self.placement.world_size) if self.progress and not self._reinitialising else None
+        bar = _progress_bar(len(self._fresh)) if self.progress and self._fresh else None
         try:
             self._wait_ready(bar)
         finally:
@@ -107,12 +112,11 @@ class WorkerPool:
                 self._not_joined(failed)  # gives up, or replaces every worker: wait for the new ones
                 deadline = time.monotonic() + self.start_timeout
                 if bar is not None:
-                    bar.reset()
+                    bar.reset(total=len(self._fresh))
 
     def _await_joins(self, deadline, bar):
         """Take in the next "started" (counted by ``bar``) and "ready" messages; return the
         ranks that failed to join instead (rank -> (summary, details)), or {}."""
-        when = "while rebuilding its process group" if self._reinitialising else "while starting"
         waiting = [conn for rank, conn in enumerate(self._conns) if rank not in self._ready]
         answered = wait(waiting, max(0.0, deadline - time.monotonic()))
         if not answered:
@@ -122,6 +126,7 @@ class WorkerPool:
         for conn in answered:
             rank = self._conns.index(conn)
             message = self.receive(rank)
+            when = "while starting" if rank in self._fresh else "while rebuilding its process group"
             if message is None:
                 return {rank: (self.death_line(rank, when), self.last_output(rank))}
             if message[0] == "started":
@@ -135,10 +140,10 @@ class WorkerPool:
         return {}
 
     def _not_joined(self, reports):
-        """Ranks that did not join (rank -> (summary, details)): workers that were re-joining
-        in the same processes are noted for ``take_lost`` and all replaced; fresh ones that
-        cannot start mean the cluster cannot start."""
-        if not self._reinitialising:
+        """Ranks that did not join (rank -> (summary, details)): after a repair, they are
+        noted for ``take_lost`` and every worker is replaced; when every worker was fresh,
+        the cluster cannot start."""
+        if len(self._fresh) == self.placement.world_size:
             self._give_up("; ".join(summary for summary, _ in reports.values()) + ".\n" +
                           "\n".join(details for _, details in reports.values() if details))
         for rank, (summary, details) in reports.items():
@@ -159,13 +164,15 @@ class WorkerPool:
 
     def send_all(self, message):
         """Send ``message`` to every rank; return the ranks it could not reach (dead workers)."""
-        data, unreachable = pickle.dumps(message), []
-        for rank, conn in enumerate(self._conns):
-            try:
-                conn.send_bytes(data)
-            except OSError:
-                unreachable.append(rank)
-        return unreachable
+        data = pickle.dumps(message)
+        return [rank for rank in range(len(self._conns)) if not self._send(rank, data)]
+
+    def _send(self, rank, data):
+        try:
+            self._conns[rank].send_bytes(data)
+        except OSError:
+            return False
+        return True
 
     def receive(self, rank):
         """The next message from ``rank``, or None if the worker is gone."""
@@ -191,16 +198,26 @@ class WorkerPool:
         dead = self.dead_ranks()
         if dead:
             lines = "; ".join(self.death_line(rank, wait_s=0) for rank in dead)
-            return f"{lines}: the next call reports it and replaces the workers"
+            return f"{lines}: the next call reports it and replaces the dead workers"
         return "running" if len(self._ready) == self.placement.world_size else "restarting"
 
-    def reinit(self):
-        """Rebuild the process group in the same processes (after a failed call that left
-        every rank responsive): cheap, and drops any message still in flight."""
+    def repair(self, replace=()):
+        """Rebuild the process group in a new generation, dropping any message still in
+        flight: the workers of the ranks in ``replace`` (dead, or stuck in a call that can
+        never end) are killed and started afresh, the others re-join in their own processes.
+        Starting a worker (loading torch) is most of the cost of a start, so a repair costs
+        what its fresh workers cost. The next call waits for the new group."""
+        replace = set(replace)
+        if len(replace) == self.placement.world_size:
+            self.restart()
+            return
         self._generation += 1
-        self._ready = set()
-        self._reinitialising = True
-        if self.send_all(("reinit", self._generation)):
+        self._fresh, self._ready = replace, set()
+        self._kill(replace)
+        for rank in replace:
+            self._procs[rank], self._conns[rank], self._files[rank] = self._spawn(rank)
+        message, others = pickle.dumps(("reinit", self._generation)), set(self.ranks) - replace
+        if any(not self._send(rank, message) for rank in others):
             self.restart()
 
     def restart(self):
@@ -263,15 +280,18 @@ class WorkerPool:
                 pass
         self._kill()
 
-    def _kill(self):
-        for proc in self._procs:
-            _signal(proc, signal.SIGKILL, group=True)
-        for proc, conn, files in zip(self._procs, self._conns, self._files):
-            proc.wait()
-            conn.close()
-            if proc.stdin:
-                proc.stdin.close()
-            for f in files:
+    def _kill(self, ranks=None):
+        """Kill the workers of ``ranks`` (default: all), all at once, and close what the
+        parent holds of them."""
+        ranks = range(len(self._procs)) if ranks is None else ranks
+        for rank in ranks:
+            _signal(self._procs[rank], signal.SIGKILL, group=True)
+        for rank in ranks:
+            self._procs[rank].wait()
+            self._conns[rank].close()
+            if self._procs[rank].stdin:
+                self._procs[rank].stdin.close()
+            for f in self._files[rank]:
                 f.close()
 
     def _environment(self, rank, conn_fd, stack_fd):

@@ -25,6 +25,9 @@ from multiprocessing.connection import Connection
 # Gloo waits this long inside a collective before giving up. The cluster's own call timeout
 # is what normally ends a hang; this only keeps an abandoned worker from waiting forever.
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
+# Leaving a process group takes milliseconds, unless an operation left running in it can never
+# end (see _destroy_process_group).
+LEAVE_TIMEOUT_S = 10.0
 
 
 def main():
@@ -177,10 +180,32 @@ def _init_process_group(config, generation):
 
 
 def _destroy_process_group():
+    """Leave the process group, within LEAVE_TIMEOUT_S: leaving waits for the operations
+    still running in it, and one that a function started without waiting for it (an
+    ``async_op=True`` collective, say) and that waits for a rank doing something else never
+    ends. Past the limit this raises, and the parent replaces every worker."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    errors = []
+    leaving = threading.Thread(target=_call_into, args=(dist.destroy_process_group, errors), daemon=True)
+    leaving.start()
+    leaving.join(LEAVE_TIMEOUT_S)
+    if leaving.is_alive():
+        raise TimeoutError(
+            f"this rank could not leave its process group within {LEAVE_TIMEOUT_S:g} s: an operation it started "
+            "without waiting for it (async_op=True, isend, irecv) still waits for another rank"
+        )
+    if errors:
+        raise errors[0]
+
+
+def _call_into(fn, errors):
+    try:
+        fn()
+    except BaseException as exc:
+        errors.append(exc)
 
 
 def _watch_parent(parent_pid):
