@@ -91,9 +91,9 @@ class WorkerPool:
 
     def wait_ready(self):
         """Block until every worker has joined the process group, with a progress bar when
-        the start is expected to be slow. A worker lost while re-joining in the same process
-        (``reinit``) is noted in ``take_lost()`` and every worker replaced; one lost while
-        starting afresh means the cluster cannot start: the pool shuts down."""
+        the start is expected to be slow. A worker lost while joining after a ``repair`` is
+        noted in ``take_lost()`` and every worker replaced; one lost while all start afresh
+        means the cluster cannot start: the pool shuts down."""
         if len(self._ready) == self.placement.world_size:
             return
         # Fresh workers only: the same processes re-join their group in a moment.
