@@ -12,10 +12,11 @@ Every module of the package is reachable from here (``parlab.collectives``, ``pa
 import functools
 import importlib
 
-from parlab.runtime import Cluster, RankError, RankTimeout, device, launch
+from parlab.runtime import Cluster, Devices, Link, Nodes, RankError, RankTimeout, Straggler, device, launch
 
 __version__ = "0.1.0"
-__all__ = ["Cluster", "RankError", "RankTimeout", "check", "device", "launch"]
+__all__ = ["Cluster", "Devices", "Link", "Nodes", "RankError", "RankTimeout", "Straggler", "check", "device",
+           "launch", "show"]
 
 # The plumbing of the `parlab` command and of pytest; every other module is for learners.
 _PLUMBING = {"__main__", "cli", "grading_plugin"}
@@ -40,6 +41,10 @@ def __getattr__(name):
         from parlab.grade import check
 
         return check
+    if name == "show":
+        from parlab.source import show
+
+        return show
     raise AttributeError(f"module 'parlab' has no attribute {name!r}")
 
 

@@ -5,6 +5,12 @@ Each call records a communication event (op, peer, bytes, start, end) when traci
 so collectives and pipelines built on these helpers show up in the timeline and their
 traffic can be counted exactly.
 
+Emulated links. On a cluster whose links are emulated (``parlab.Cluster(..., link=
+parlab.Link(latency, bandwidth))``) every message takes latency + bytes / bandwidth of wall
+time on its sender's outgoing and its receiver's incoming port (``parlab.runtime.emulation``
+has the rules); its data still moves at once through gloo. ``broadcast`` below is torch's own
+collective and is not shaped.
+
 CUDA tensors on a gloo process group (ranks sharing GPUs) are staged through host memory:
 gloo moves bytes between CPU buffers.
 
@@ -25,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from parlab import trace
+from parlab.runtime import emulation
 from parlab.runtime.errors import explain_size_mismatch  # noqa: F401  (the grader's plugin finds it here)
 
 # The sizes this rank last posted to each peer, {peer: [(elements, dtype), ...]}, a few
@@ -37,55 +44,70 @@ _SENT_KEPT = 3
 
 def send(tensor, dst, tag=0):
     """Send ``tensor`` to rank ``dst`` and wait until it has left."""
-    start = trace.now()
-    _remember_sent(tensor, dst)
-    with _connection_lost("send to", dst):
-        dist.send(_staged(tensor), dst, tag=tag)
-    trace.record_comm("send", dst, _nbytes(tensor), start, trace.now())
+    return isend(tensor, dst, tag, op="send").wait()
 
 
 def recv(tensor, src, tag=0):
     """Receive from rank ``src`` into ``tensor`` (in place; shape and dtype must match)."""
-    start = trace.now()
-    buffer = _staging_buffer(tensor)
-    with _connection_lost("recv from", src):
-        dist.recv(buffer, src, tag=tag)
-    if buffer is not tensor:
-        tensor.copy_(buffer)
-    trace.record_comm("recv", src, _nbytes(tensor), start, trace.now())
-    return tensor
+    return irecv(tensor, src, tag, op="recv").wait()
 
 
-def isend(tensor, dst, tag=0):
+def isend(tensor, dst, tag=0, op="isend"):
     """Start sending ``tensor`` to ``dst``; do not modify it before ``wait()``."""
     start = trace.now()
     _remember_sent(tensor, dst)
+    header = None
+    if emulation.shapes_links():
+        # The emulated link: this rank's outgoing port decides when the message may leave
+        # (ready) and when the port is free again (done); the receiver needs ready.
+        ready, done = emulation.departure(dst, _nbytes(tensor))
+        ready = torch.tensor([ready], dtype=torch.float64)
+        header = (dist.isend(ready, dst, tag=tag, group=emulation.header_group()), ready, done)
     work = dist.isend(_staged(tensor), dst, tag=tag)
-    return Request(work, "isend", dst, tensor, None, start)
+    return Request(work, op, dst, tensor, None, start, header)
 
 
-def irecv(tensor, src, tag=0):
+def irecv(tensor, src, tag=0, op="irecv"):
     """Start receiving from ``src`` into ``tensor``; its contents are valid after ``wait()``."""
     start = trace.now()
     buffer = _staging_buffer(tensor)
+    header = None
+    if emulation.shapes_links():
+        ready = torch.empty(1, dtype=torch.float64)
+        header = (dist.irecv(ready, src, tag=tag, group=emulation.header_group()), ready, None)
     work = dist.irecv(buffer, src, tag=tag)
-    return Request(work, "irecv", src, tensor, buffer, start)
+    return Request(work, op, src, tensor, buffer, start, header)
 
 
 class Request:
-    """A pending isend/irecv. Its traced end time is when ``wait()`` saw it complete."""
+    """A pending isend/irecv. Its traced end time is when ``wait()`` saw it complete.
 
-    def __init__(self, work, op, peer, tensor, buffer, start):
+    Under an emulated link a message travels with a header (on a process group of its own,
+    so tags never collide) holding when it was ready to leave; ``wait()`` then returns no
+    earlier than the emulated link lets it: a send when its port is free again, a receive
+    when the message has arrived (``parlab.runtime.emulation``). The data itself moves at
+    once, through gloo."""
+
+    def __init__(self, work, op, peer, tensor, buffer, start, header=None):
         self._work, self.op, self.peer = work, op, peer
         self._tensor, self._buffer, self._start = tensor, buffer, start
+        self._header = header
         self._done = False
 
     def wait(self):
         if not self._done:
-            with _connection_lost(f"wait for its {self.op} {'to' if self.op == 'isend' else 'from'}", self.peer):
+            direction = "to" if "send" in self.op else "from"
+            with _connection_lost(f"wait for its {self.op} {direction}", self.peer):
+                if self._header is not None:
+                    self._header[0].wait()
                 self._work.wait()
             if self._buffer is not None and self._buffer is not self._tensor:
                 self._tensor.copy_(self._buffer)
+            if self._header is not None:
+                _, ready, done = self._header
+                if done is None:  # a receive: the message arrives after the ports of both ends allow
+                    done = emulation.arrival(self.peer, _nbytes(self._tensor), ready.item())
+                emulation.sleep_until(done)
             trace.record_comm(self.op, self.peer, _nbytes(self._tensor), self._start, trace.now())
             self._done = True
         return self._tensor

@@ -15,6 +15,7 @@ by the next call, as a ``RankError`` naming the rank and the signal; it is repla
 call after works.
 """
 
+import contextlib
 import itertools
 import pickle
 import sys
@@ -23,7 +24,7 @@ import time
 import weakref
 from multiprocessing.connection import wait
 
-from parlab.runtime import capacity
+from parlab.runtime import capacity, emulation
 from parlab.runtime import placement as placement_rules
 from parlab.runtime.errors import RankError, RankTimeout
 from parlab.runtime.pool import WorkerPool
@@ -49,9 +50,15 @@ class Cluster:
 
     Calls from several threads (a widget's callback while a cell runs) take turns: each
     call, and the repairs after it, has the workers to itself.
+
+    Time: real by default. ``link`` (a ``parlab.Link`` or ``parlab.Nodes``) emulates the
+    network and ``devices`` (a ``parlab.Devices``) the ranks' compute, as
+    ``parlab.runtime.emulation`` describes; ``emulate(...)`` changes that for a few calls.
     """
 
-    def __init__(self, world_size, backend="auto", device="auto", timeout=300.0, start_timeout=120.0):
+    def __init__(self, world_size, backend="auto", device="auto", timeout=300.0, start_timeout=120.0,
+                 link=None, devices=None):
+        self.regime = emulation.Regime(link, devices)
         self.placement = placement_rules.resolve(world_size, backend, device)
         slow_start = capacity.check(self.placement.world_size)
         self.world_size = self.placement.world_size
@@ -83,7 +90,21 @@ class Cluster:
         return self._pool.closed
 
     def __repr__(self):
-        return f"<parlab.Cluster: {self.placement.describe()}; {self._pool.state()}>"
+        return f"<parlab.Cluster: {self.placement.describe()}; {self.regime.describe()}; {self._pool.state()}>"
+
+    @contextlib.contextmanager
+    def emulate(self, link=None, devices=None):
+        """Run the calls inside ``with cluster.emulate(link=..., devices=...):`` in that
+        regime (``link=None, devices=None``: real time), then return to the cluster's own.
+        The workers stay as they are: the regime travels with each call."""
+        regime = emulation.Regime(link, devices)
+        with self._lock:
+            previous, self.regime = self.regime, regime
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self.regime = previous
 
     def __enter__(self):
         return self
@@ -116,8 +137,9 @@ class Cluster:
         ``results`` are the per-rank return values."""
         from parlab.trace import Timeline
 
+        regime = self.regime
         results, events, origin = self._call(fn, args, kwargs, timeout, traced=True)
-        return Timeline(events, self.world_size, results, origin)
+        return Timeline(events, self.world_size, results, origin, regime=regime.describe())
 
     def _call(self, fn, args, kwargs, timeout, traced):
         """Returns (results, events, the dispatch time in perf_counter_ns)."""
@@ -130,7 +152,7 @@ class Cluster:
             self._pool.wait_ready()
             call_id = next(self._calls)
             origin = time.perf_counter_ns()
-            self._dispatch(("run", call_id, payload, traced))
+            self._dispatch(("run", call_id, payload, traced, self.regime))
             outputs = {rank: [] for rank in range(self.world_size)}
             done, dead = {}, set()
             try:

@@ -205,6 +205,7 @@ class _Rank:
     rank = 0
     free = {}  # (direction "out"/"in", port name) -> perf_counter seconds when free
     rng = None
+    header_group = None  # the process group that carries emulated messages' headers
 
 
 _here = _Rank()
@@ -216,6 +217,17 @@ def begin_call(regime, rank):
     devices = regime.devices
     seed = devices.straggler.seed if devices is not None and devices.straggler is not None else 0
     _here.rng = random.Random(seed * 1_000_003 + rank)
+
+
+def header_group():
+    """The process group on which ``parlab.p2p`` sends each emulated message's header (when
+    it was ready to leave), apart from the data so that tags never collide."""
+    return _here.header_group
+
+
+def set_header_group(group):
+    """Set by the worker: a gloo group over all ranks, or None after the group is rebuilt."""
+    _here.header_group = group
 
 
 def regime():

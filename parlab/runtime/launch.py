@@ -14,7 +14,8 @@ def under_torchrun():
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def launch(fn, world_size, *args, backend="auto", device="auto", timeout=None, start_timeout=120.0, **kwargs):
+def launch(fn, world_size, *args, backend="auto", device="auto", timeout=None, start_timeout=120.0, link=None,
+           devices=None, **kwargs):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results in rank order.
 
     ``timeout`` bounds the call and ``start_timeout`` the start of the ranks (seconds).
@@ -24,7 +25,8 @@ def launch(fn, world_size, *args, backend="auto", device="auto", timeout=None, s
     """
     if under_torchrun():
         return _run_in_torchrun(fn, args, kwargs, backend)
-    with Cluster(world_size, backend=backend, device=device, start_timeout=start_timeout) as cluster:
+    with Cluster(world_size, backend=backend, device=device, start_timeout=start_timeout, link=link,
+                 devices=devices) as cluster:
         return cluster.run(fn, *args, timeout=timeout, **kwargs)
 
 

@@ -5,7 +5,7 @@ Started by the parent as ``python -m parlab.runtime.worker`` with its settings i
 PARLAB_WORKER environment variable (JSON) and a socket to the parent on file descriptor
 ``conn_fd``. Messages both ways are pickled tuples:
 
-    parent -> worker   ("run", call_id, payload, traced) | ("reinit", generation) | ("exit",)
+    parent -> worker   ("run", call_id, payload, traced, regime) | ("reinit", generation) | ("exit",)
     worker -> parent   ("started", rank) | ("ready", rank) | ("out", stream, text) |
                        ("done", call_id, ok, result_or_traceback, events)
 """
@@ -21,6 +21,8 @@ import threading
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
+
+from parlab.runtime import emulation
 
 # Gloo waits this long inside a collective before giving up. The cluster's own call timeout
 # is what normally ends a hang; this only keeps an abandoned worker from waiting forever.
@@ -42,6 +44,7 @@ def main():
     # shows: gloo aborts a rank (SIGABRT) on a message longer than its receive, from a thread
     # of its own, and the stack tells which receive it was (see errors.explain_size_mismatch).
     faulthandler.enable(file=sys.stderr, all_threads=True)
+    emulation.lower_timer_slack()
 
     conn = Connection(config["conn_fd"])
     rank = config["rank"]
@@ -88,7 +91,8 @@ def _serve(conn, config):
                 return
             reply(("ready", config["rank"]))
             continue
-        _, call_id, payload, traced = message
+        _, call_id, payload, traced, regime = message
+        _begin_call(regime, config["rank"])
         out, err = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = _Stream("stdout", reply), _Stream("stderr", reply)
         if traced:
@@ -179,6 +183,17 @@ def _init_process_group(config, generation):
     )
 
 
+def _begin_call(regime, rank):
+    """Put the call's time regime in place (``parlab.runtime.emulation``). Emulated links
+    need a second process group for the messages' headers: every rank gets the same regime
+    with every call, so all create it together, once per process group."""
+    emulation.begin_call(regime, rank)
+    if regime.network is not None and emulation.header_group() is None:
+        import torch.distributed as dist
+
+        emulation.set_header_group(dist.new_group(backend="gloo"))
+
+
 def _destroy_process_group():
     """Leave the process group, within LEAVE_TIMEOUT_S: leaving waits for the operations
     still running in it, and one that a function started without waiting for it (an
@@ -186,6 +201,7 @@ def _destroy_process_group():
     ends. Past the limit this raises, and the parent replaces every worker."""
     import torch.distributed as dist
 
+    emulation.set_header_group(None)  # destroyed with the group
     if not dist.is_initialized():
         return
     errors = []
