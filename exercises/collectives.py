@@ -1,6 +1,6 @@
 # Generated from solutions/collectives.py by `python -m parlab.exercises build`.
 # Write your code where it raises NotImplementedError, then run `python -m parlab.grade collectives`.
-# parlab-generated sha256=bbeb095c6a0834897e5f4c10be024da47730d46bb1ba89d3f716a3aa2f76010e
+# parlab-generated sha256=a07356637c0680b9a33797eae35a6113efa843edd944e85cf859037668197bc2
 """Exercise: ring all-reduce, built from a ring reduce-scatter and a ring all-gather.
 
 Write the three functions below using only parlab's traced point-to-point calls,
@@ -17,8 +17,9 @@ numel // N elements and the first numel % N chunks one more (``chunk_bounds`` be
 chunks may be empty when numel < N). ``ring_chunks(tensor)`` returns the N chunks as views:
 writing into a chunk writes into the tensor.
 
-Ownership. After ``ring_reduce_scatter`` rank r owns chunk (r + 1) mod N: that chunk holds
-the sum over all ranks. ``ring_all_gather`` starts from this ownership.
+Ownership. After ``ring_reduce_scatter`` rank r owns chunk r: that chunk holds the sum over
+all ranks, as chunk r of ``torch.distributed.reduce_scatter``. ``ring_all_gather`` starts
+from this ownership.
 
 Deadlock. ``p2p.send`` waits for the matching ``recv``: if every rank sends first, every
 rank waits forever. Post the receive and the send together (``irecv`` + ``isend``, then
@@ -35,14 +36,14 @@ from parlab import p2p
 
 
 def ring_reduce_scatter(tensor):
-    """Ring reduce-scatter, in place: afterwards rank r owns chunk (r + 1) mod N, which holds
-    the sum of that chunk over all ranks. Returns that chunk's index, (r + 1) mod N.
+    """Ring reduce-scatter, in place: afterwards rank r owns chunk r, which holds the sum of
+    that chunk over all ranks. Returns that chunk's index, r.
 
-    N - 1 steps. At step s = 0, 1, ..., N - 2 rank r
+    N - 1 steps. At step j = 0, 1, ..., N - 2 rank r
 
-    - sends chunk (r - s) mod N to rank (r + 1) mod N, and
-    - receives chunk (r - s - 1) mod N from rank (r - 1) mod N and adds it into its own
-      chunk (r - s - 1) mod N (receive into a separate buffer, then add).
+    - sends chunk (r - j - 1) mod N to rank (r + 1) mod N, and
+    - receives chunk (r - j - 2) mod N from rank (r - 1) mod N and adds it into its own
+      chunk (r - j - 2) mod N (receive into a separate buffer, then add).
 
     From step 1 on, the chunk a rank sends is the one it added into at the step before, so
     each chunk travels around the ring collecting one term per rank. The other chunks hold
@@ -54,23 +55,23 @@ def ring_reduce_scatter(tensor):
     rank, N = dist.get_rank(), dist.get_world_size()
     chunks = ring_chunks(tensor)
     raise NotImplementedError("ring_reduce_scatter is not implemented yet: write the N - 1 ring steps of the docstring")
-    return (rank + 1) % N
+    return rank
 
 
 def ring_all_gather(tensor):
-    """Ring all-gather, in place: starting with rank r holding the correct chunk
-    (r + 1) mod N (what ``ring_reduce_scatter`` leaves), afterwards every rank holds every
-    chunk: rank k's owned chunk (k + 1) mod N, copied to all ranks. Returns ``tensor``.
+    """Ring all-gather, in place: starting with rank r holding the correct chunk r (what
+    ``ring_reduce_scatter`` leaves), afterwards every rank holds every chunk: rank k's owned
+    chunk k, copied to all ranks. Returns ``tensor``.
 
-    N - 1 steps. At step s = 0, 1, ..., N - 2 rank r
+    N - 1 steps. At step j = 0, 1, ..., N - 2 rank r
 
-    - sends chunk (r + 1 - s) mod N to rank (r + 1) mod N, and
-    - receives chunk (r - s) mod N from rank (r - 1) mod N, straight into that chunk.
+    - sends chunk (r - j) mod N to rank (r + 1) mod N, and
+    - receives chunk (r - j - 1) mod N from rank (r - 1) mod N, straight into that chunk.
 
     At step 0 a rank sends the chunk it owns; afterwards it forwards the chunk it received
     at the step before. What a rank's other chunks held before the call does not matter.
 
-    Traffic: N - 1 messages of one chunk each; every chunk except (r + 2) mod N, (N - 1)/N
+    Traffic: N - 1 messages of one chunk each; every chunk except (r + 1) mod N, (N - 1)/N
     of the tensor's bytes when N divides numel.
     """
     rank, N = dist.get_rank(), dist.get_world_size()

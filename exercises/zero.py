@@ -1,6 +1,6 @@
 # Generated from solutions/zero.py by `python -m parlab.exercises build`.
 # Write your code where it raises NotImplementedError, then run `python -m parlab.grade zero`.
-# parlab-generated sha256=ecc75f50d9657841193b0fa27a0ba7d03163c5ae7fc6ae6c7d81c768638e0e8d
+# parlab-generated sha256=590b48f7511cf1776e0292bc3668ca03894ffb508bddbfed42ee7c8d924224f4
 """Exercise: ZeRO stages 1 and 2: shard Adam's state, then the gradients, over N_d ranks.
 
 Data parallelism keeps a whole replica of the model on each of the N_d ranks, and with it
@@ -20,9 +20,9 @@ all-reduce, and the rest of the full gradient can be dropped.
 
 The flat buffer (provided). The trainable parameters lie end to end in one flat buffer,
 padded with zeros to a multiple of N_d and cut into N_d shards of ceil(Psi / N_d) elements
-(``parlab.flat.FlatLayout``). Rank r owns shard (r + 1) mod N_d: that is the chunk
-parlab's ring reduce-scatter leaves fully reduced on rank r, and the one the ring
-all-gather sends from rank r. ``layout.shard(flat, rank)`` is the view of it in ``flat``.
+(``parlab.flat.FlatLayout``). Rank r owns shard r, as ``torch.distributed.reduce_scatter``
+gives rank r chunk r: the chunk parlab's ring reduce-scatter leaves fully reduced on rank r,
+and the one the ring all-gather sends from rank r. ``layout.shard(flat, rank)`` is the view of it in ``flat``.
 
     opt = ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)  # rank 0's weights
     opt.zero_grad()
@@ -66,7 +66,8 @@ class ShardedOptimizer:
     def __init__(self, params, optimizer_class, **optimizer_kwargs):
         self.params = [p for p in params if p.requires_grad]
         if not self.params:
-            raise ValueError("ShardedOptimizer got no trainable parameters (requires_grad=True): pass model.parameters().")
+            raise ValueError("ShardedOptimizer got no trainable parameters (requires_grad=True): "
+                             "pass model.parameters().")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.layout = FlatLayout([p.shape for p in self.params], self.world_size)
         self.flat = self.layout.flatten([p.detach() for p in self.params])
@@ -77,7 +78,7 @@ class ShardedOptimizer:
 
     def build_optimizer(self, optimizer_class, **optimizer_kwargs):
         """Set ``self.shard``, a ``torch.nn.Parameter`` that is the VIEW of this rank's shard
-        of ``self.flat`` (``self.layout.shard(self.flat, self.rank)``: shard (r + 1) mod N_d,
+        of ``self.flat`` (``self.layout.shard(self.flat, self.rank)``: shard r,
         ``self.layout.shard_numel`` elements), and ``self.optimizer``, an
         ``optimizer_class(..., **optimizer_kwargs)`` over ``[self.shard]`` alone.
 

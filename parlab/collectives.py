@@ -2,9 +2,10 @@
 
 Each collective works in place on the default process group, like ``dist.all_reduce``, on
 a contiguous tensor of any shape and length (it works on the flat view), and talks only
-through ``parlab.p2p``, so ``cluster.trace`` counts its traffic exactly. Symbols: N ranks,
-D bytes in the tensor, alpha seconds per message, beta seconds per byte (the times in the
-docstrings are those of ``parlab.alpha_beta.cost_model``).
+through ``parlab.p2p``, so ``cluster.trace`` counts its traffic exactly. Symbols (the
+glossary's): N ranks, r a rank, j a step of a ring phase, D bytes in the tensor, alpha seconds
+per message, beta seconds per byte (the times in the docstrings are those of
+``parlab.alpha_beta.cost_model``).
 
 Subgroups: the three ring collectives take ``group=`` (from ``dist.new_group(ranks)``) and are
 then called by the group's members only; the ring goes round the group's ranks, N is the
@@ -12,8 +13,9 @@ group's size and r a rank's place in it (FSDP's HYBRID_SHARD shards its paramete
 one group and averages gradients across another).
 
 Chunks: ring and butterfly cut the flat tensor into chunks as even as possible; the first
-``numel % N`` of the N chunks are one element longer (as ``torch.tensor_split``). After
-``ring_reduce_scatter`` rank r owns the reduced chunk (r + 1) mod N; ``ring_all_gather``
+``numel % N`` of the N chunks are one element longer (as ``torch.tensor_split``;
+``chunk_bounds`` and ``ring_chunks``). After ``ring_reduce_scatter`` rank r owns the reduced
+chunk r, as ``torch.distributed.reduce_scatter`` gives rank r chunk r; ``ring_all_gather``
 starts from there. Both run the ring's schedule as data, ``ring_steps(N)``.
 
 Ops: "sum", "avg", "max", "min" or the matching ``dist.ReduceOp``; "avg" sums, then divides
@@ -76,7 +78,7 @@ class RingStep:
     which it reduces into its own copy (``action`` "reduce") or writes over it ("copy")."""
 
     phase: str  # "reduce-scatter" or "all-gather"
-    index: int  # s, the step within its phase: 0 .. N - 2
+    j: int  # the step within its phase: 0 .. N - 2
     send: tuple
     receive: tuple
     action: str
@@ -89,11 +91,12 @@ def ring_steps(N, phase=None):
     """The ring all-reduce schedule as data: the N - 1 steps of the reduce-scatter, then the
     N - 1 steps of the all-gather (only the steps of ``phase`` when it is given).
 
-    Reduce-scatter step s: rank r sends chunk (r - s) mod N, receives chunk (r - s - 1) mod N
-    and reduces it. All-gather step s: rank r sends chunk (r + 1 - s) mod N, receives chunk
-    (r - s) mod N and copies it. Either way rank r + 1 receives the chunk rank r sends.
-    ``ring_reduce_scatter`` and ``ring_all_gather`` run these steps; ``ring_contributions``
-    replays them on paper.
+    Reduce-scatter step j: rank r sends chunk (r - j - 1) mod N, receives chunk (r - j - 2) mod N
+    and reduces it, so chunk c starts at rank c + 1 and ends, after N - 1 hops, complete on rank
+    c. All-gather step j: rank r sends chunk (r - j) mod N, receives chunk (r - j - 1) mod N and
+    copies it: each rank first sends the chunk it owns, then forwards what it received. Either
+    way rank r + 1 receives the chunk rank r sends. ``ring_reduce_scatter`` and
+    ``ring_all_gather`` run these steps; ``ring_contributions`` replays them on paper.
     """
     whole_number("N (the number of ranks)", N, "give the ring's size as a count, such as N = 4.")
     if phase not in (None, *RING_PHASES):
@@ -105,26 +108,27 @@ def ring_steps(N, phase=None):
 
     steps = []
     if phase in (None, "reduce-scatter"):
-        steps += [RingStep("reduce-scatter", s, chunk_of_each_rank(-s), chunk_of_each_rank(-s - 1), "reduce")
-                  for s in range(N - 1)]
+        steps += [RingStep("reduce-scatter", j, chunk_of_each_rank(-j - 1), chunk_of_each_rank(-j - 2), "reduce")
+                  for j in range(N - 1)]
     if phase in (None, "all-gather"):
-        steps += [RingStep("all-gather", s, chunk_of_each_rank(1 - s), chunk_of_each_rank(-s), "copy")
-                  for s in range(N - 1)]
+        steps += [RingStep("all-gather", j, chunk_of_each_rank(-j), chunk_of_each_rank(-j - 1), "copy")
+                  for j in range(N - 1)]
     return steps
 
 
 def ring_reduce_scatter(tensor, op="sum", check=True, group=None):
-    """Ring reduce-scatter: the N - 1 "reduce-scatter" steps of ``ring_steps(N)``; at step s
-    rank r sends chunk (r - s) mod N to rank r + 1, receives chunk (r - s - 1) mod N from
+    """Ring reduce-scatter: the N - 1 "reduce-scatter" steps of ``ring_steps(N)``; at step j
+    rank r sends chunk (r - j - 1) mod N to rank r + 1, receives chunk (r - j - 2) mod N from
     rank r - 1 and reduces it into its own copy.
 
-    Returns the index (r + 1) mod N of the chunk this rank now owns: that chunk of the flat
-    tensor holds the reduction over all ranks; the other chunks hold partial results.
-    Each rank sends every chunk but its owned one: (N - 1)/N D when N divides numel.
+    Returns r, the index of the chunk this rank now owns: chunk r of the flat tensor holds the
+    reduction over all ranks (as chunk r of ``torch.distributed.reduce_scatter``); the other
+    chunks hold partial results. Each rank sends every chunk but chunk r: (N - 1)/N D when N
+    divides numel.
     """
     flat, op = _prepare("ring_reduce_scatter", tensor, op, None, check, group)
     rank, N = dist.get_rank(group), dist.get_world_size(group)
-    chunks = _chunks(flat, N)
+    chunks = ring_chunks(flat, group)
     incoming = _scratch(flat, chunks[0].numel())  # chunk 0 is the largest
     right, left = _global(group, rank + 1), _global(group, rank - 1)
     for step in ring_steps(N, "reduce-scatter"):
@@ -132,22 +136,20 @@ def ring_reduce_scatter(tensor, op="sum", check=True, group=None):
         buffer = incoming[: received.numel()]
         _exchange(sent, right, buffer, left)
         _reduce(op, received, buffer)
-    owned = (rank + 1) % N
-    _average(op, chunks[owned], N)
-    return owned
+    _average(op, chunks[rank], N)
+    return rank
 
 
 def ring_all_gather(tensor, check=True, group=None):
-    """Ring all-gather: starting from "rank r owns chunk (r + 1) mod N" (what
-    ``ring_reduce_scatter`` leaves), the N - 1 "all-gather" steps of ``ring_steps(N)``; at
-    step s rank r sends chunk (r + 1 - s) mod N to rank r + 1 and receives chunk (r - s) mod N
-    from rank r - 1, straight into place. Afterwards every rank holds every rank's owned
-    chunk. Returns ``tensor``.
-    Each rank sends every chunk but (r + 2) mod N: (N - 1)/N D when N divides numel.
+    """Ring all-gather: starting from "rank r owns chunk r" (what ``ring_reduce_scatter``
+    leaves), the N - 1 "all-gather" steps of ``ring_steps(N)``; at step j rank r sends chunk
+    (r - j) mod N to rank r + 1 and receives chunk (r - j - 1) mod N from rank r - 1, straight
+    into place. Afterwards every rank holds every rank's owned chunk. Returns ``tensor``.
+    Each rank sends every chunk but (r + 1) mod N: (N - 1)/N D when N divides numel.
     """
     flat, _ = _prepare("ring_all_gather", tensor, None, None, check, group)
     rank, N = dist.get_rank(group), dist.get_world_size(group)
-    chunks = _chunks(flat, N)
+    chunks = ring_chunks(flat, group)
     right, left = _global(group, rank + 1), _global(group, rank - 1)
     for step in ring_steps(N, "all-gather"):
         _exchange(chunks[step.send[rank]], right, chunks[step.receive[rank]], left)
@@ -173,8 +175,8 @@ def ring_contributions(N, step):
 
     Before any step every rank holds only its own data: {r}. At each step every rank sends
     what it held before the step, so a "reduce" adds the sender's set to the receiver's and
-    a "copy" replaces it. After the reduce-scatter (step N - 1) rank r's chunk (r + 1) mod N
-    holds all N ranks; after the all-gather (step 2 (N - 1)) every chunk does.
+    a "copy" replaces it. After the reduce-scatter (step N - 1) rank r's chunk r holds all N
+    ranks; after the all-gather (step 2 (N - 1)) every chunk does.
     """
     steps = ring_steps(N)
     whole_number("step", step, f"count the steps taken so far, from 0 to 2 (N - 1) = {len(steps)}.", minimum=0)
@@ -188,6 +190,26 @@ def ring_contributions(N, step):
             arriving = before[(r - 1) % N][chunk]
             held[r][chunk] = held[r][chunk] | arriving if ring_step.action == "reduce" else arriving
     return held
+
+
+def chunk_bounds(numel, N):
+    """[(start, end)] of the N chunks of ``numel`` elements, as even as possible: numel // N
+    each, one more for the first numel % N (``torch.tensor_split``'s cut; chunks are empty when
+    numel < N). chunk_bounds(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]."""
+    whole_number("N (the number of chunks)", N, "cut into one chunk per rank, N = the world size.")
+    base, extra = divmod(numel, N)
+    starts = [c * base + min(c, extra) for c in range(N + 1)]
+    return list(zip(starts[:-1], starts[1:]))
+
+
+def ring_chunks(tensor, group=None):
+    """The N chunks (``chunk_bounds``) of ``tensor``'s flat view, N the size of ``group`` (the
+    world by default), as views: writing into a chunk writes into ``tensor``."""
+    if not tensor.is_contiguous():
+        raise ValueError("ring collectives cut the flat view of a contiguous tensor: pass tensor.contiguous() "
+                         "and copy the result back.")
+    flat = tensor.view(-1)
+    return [flat[start:end] for start, end in chunk_bounds(flat.numel(), dist.get_world_size(group))]
 
 
 def butterfly_allreduce(tensor, op="sum", check=True):
@@ -214,8 +236,8 @@ def butterfly_allreduce(tensor, op="sum", check=True):
     if rank + P < N:
         _reduce(op, flat, p2p.recv(_scratch(flat, flat.numel()), rank + P))
 
-    bounds = _chunk_bounds(flat.numel(), P)
-    incoming = _scratch(flat, bounds[P // 2])  # the first half is the largest
+    bounds = chunk_bounds(flat.numel(), P)
+    incoming = _scratch(flat, bounds[P // 2][0])  # the first half is the largest
     lo, hi = 0, P  # the chunks [lo, hi) this rank is responsible for
     distance = P // 2
     while distance >= 1:  # recursive halving
@@ -328,20 +350,9 @@ def _average(op, reduced, N):
         reduced.div_(N)
 
 
-def _chunk_bounds(numel, parts):
-    """Offsets of ``parts`` chunks as even as possible: the first numel % parts are one longer."""
-    base, extra = divmod(numel, parts)
-    return [i * base + min(i, extra) for i in range(parts + 1)]
-
-
 def _span(flat, bounds, lo, hi):
-    """The chunks lo..hi-1 of ``flat``, as one view."""
-    return flat[bounds[lo] : bounds[hi]]
-
-
-def _chunks(flat, parts):
-    bounds = _chunk_bounds(flat.numel(), parts)
-    return [_span(flat, bounds, i, i + 1) for i in range(parts)]
+    """The chunks lo..hi-1 of ``flat`` (``bounds`` from ``chunk_bounds``), as one view."""
+    return flat[bounds[lo][0] : bounds[hi - 1][1]]
 
 
 def _prepare(collective, tensor, op, root, check, group=None):
@@ -377,18 +388,18 @@ def _op_name(op, tensor):
 
 def _check_same_call(collective, tensor, op, root, group=None):
     """Ring all-gather every rank's call record; raise the same ValueError on every rank if
-    they differ. Rank r starts owning row (r + 1) mod N, as ``ring_all_gather`` expects."""
+    they differ. Rank r starts owning row r, as ``ring_all_gather`` expects."""
     rank, N = dist.get_rank(group), dist.get_world_size(group)
     records = torch.zeros(N, _RECORD, dtype=torch.int64, device=tensor.device)  # NCCL sends GPU tensors only
-    records[(rank + 1) % N, :5] = torch.tensor([
+    records[rank, :5] = torch.tensor([
         COLLECTIVES.index(collective), -1 if op is None else OPS.index(op), -1 if root is None else root,
         DTYPES.index(tensor.dtype), tensor.dim(),
     ])
-    records[(rank + 1) % N, 5 : 5 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    records[rank, 5 : 5 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
     ring_all_gather(records, check=False, group=group)
     if bool((records == records[0]).all()):
         return
-    calls = "; ".join(f"rank {r}: {_describe(records[(r + 1) % N].tolist())}" for r in range(N))
+    calls = "; ".join(f"rank {r}: {_describe(records[r].tolist())}" for r in range(N))
     raise ValueError(
         f"{collective} needs the same call on every rank, but the ranks differ: {calls}. "
         "Pass a tensor of the same shape and dtype, with the same op and root, on every rank."

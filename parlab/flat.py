@@ -8,9 +8,9 @@ The padding makes every shard the same size, so one ring reduce-scatter or all-g
 the whole buffer, and each rank keeps exactly one shard of the parameters, gradients and
 optimizer state: Psi_u / N_d elements (plus at most N_d - 1 elements of padding per unit).
 
-Which rank owns which shard is decided by the ring (``parlab.collectives``): after
-``ring_reduce_scatter`` rank r holds the fully reduced chunk (r + 1) mod N_d, and
-``ring_all_gather`` starts from exactly that, so rank r owns shard (r + 1) mod N_d.
+Rank r owns shard r, as ``torch.distributed.reduce_scatter`` gives rank r chunk r: after
+``ring_reduce_scatter`` (``parlab.collectives``) rank r holds the fully reduced chunk r, and
+``ring_all_gather`` starts from exactly that.
 
     layout = FlatLayout([p.shape for p in unit.parameters()], N_d)
     flat = layout.flatten([p.detach() for p in unit.parameters()])   # padded, 1-D
@@ -55,14 +55,10 @@ class FlatLayout:
         return (f"FlatLayout({len(self.shapes)} tensors, {self.numel} elements, "
                 f"{self.world_size} shards of {self.shard_numel})")
 
-    def owned_shard(self, rank):
-        """The index of the shard rank ``rank`` owns: (rank + 1) mod N_d, as the ring leaves it."""
-        return (rank + 1) % self.world_size
-
     def shard_bounds(self, rank):
-        """(start, end) of rank ``rank``'s shard in the padded flat buffer."""
+        """(start, end) of rank ``rank``'s shard, shard ``rank``, in the padded flat buffer."""
         check_rank("rank", rank, self.world_size, f"this layout has {self.world_size} shards, one per rank.")
-        start = self.owned_shard(rank) * self.shard_numel
+        start = rank * self.shard_numel
         return start, start + self.shard_numel
 
     def flatten(self, tensors, dtype=None, device=None):

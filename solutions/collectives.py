@@ -14,8 +14,9 @@ numel // N elements and the first numel % N chunks one more (``chunk_bounds`` be
 chunks may be empty when numel < N). ``ring_chunks(tensor)`` returns the N chunks as views:
 writing into a chunk writes into the tensor.
 
-Ownership. After ``ring_reduce_scatter`` rank r owns chunk (r + 1) mod N: that chunk holds
-the sum over all ranks. ``ring_all_gather`` starts from this ownership.
+Ownership. After ``ring_reduce_scatter`` rank r owns chunk r: that chunk holds the sum over
+all ranks, as chunk r of ``torch.distributed.reduce_scatter``. ``ring_all_gather`` starts
+from this ownership.
 
 Deadlock. ``p2p.send`` waits for the matching ``recv``: if every rank sends first, every
 rank waits forever. Post the receive and the send together (``irecv`` + ``isend``, then
@@ -32,14 +33,14 @@ from parlab import p2p
 
 
 def ring_reduce_scatter(tensor):
-    """Ring reduce-scatter, in place: afterwards rank r owns chunk (r + 1) mod N, which holds
-    the sum of that chunk over all ranks. Returns that chunk's index, (r + 1) mod N.
+    """Ring reduce-scatter, in place: afterwards rank r owns chunk r, which holds the sum of
+    that chunk over all ranks. Returns that chunk's index, r.
 
-    N - 1 steps. At step s = 0, 1, ..., N - 2 rank r
+    N - 1 steps. At step j = 0, 1, ..., N - 2 rank r
 
-    - sends chunk (r - s) mod N to rank (r + 1) mod N, and
-    - receives chunk (r - s - 1) mod N from rank (r - 1) mod N and adds it into its own
-      chunk (r - s - 1) mod N (receive into a separate buffer, then add).
+    - sends chunk (r - j - 1) mod N to rank (r + 1) mod N, and
+    - receives chunk (r - j - 2) mod N from rank (r - 1) mod N and adds it into its own
+      chunk (r - j - 2) mod N (receive into a separate buffer, then add).
 
     From step 1 on, the chunk a rank sends is the one it added into at the step before, so
     each chunk travels around the ring collecting one term per rank. The other chunks hold
@@ -53,37 +54,37 @@ def ring_reduce_scatter(tensor):
     # BEGIN SOLUTION: write the N - 1 ring steps of the docstring
     right, left = (rank + 1) % N, (rank - 1) % N
     incoming = torch.empty_like(chunks[0])  # chunk 0 is the largest
-    for step in range(N - 1):
-        received = chunks[(rank - step - 1) % N]
+    for j in range(N - 1):
+        received = chunks[(rank - j - 2) % N]
         buffer = incoming[: received.numel()]
-        p2p.wait_all([p2p.isend(chunks[(rank - step) % N], right), p2p.irecv(buffer, left)])
+        p2p.wait_all([p2p.isend(chunks[(rank - j - 1) % N], right), p2p.irecv(buffer, left)])
         received += buffer
     # END SOLUTION
-    return (rank + 1) % N
+    return rank
 
 
 def ring_all_gather(tensor):
-    """Ring all-gather, in place: starting with rank r holding the correct chunk
-    (r + 1) mod N (what ``ring_reduce_scatter`` leaves), afterwards every rank holds every
-    chunk: rank k's owned chunk (k + 1) mod N, copied to all ranks. Returns ``tensor``.
+    """Ring all-gather, in place: starting with rank r holding the correct chunk r (what
+    ``ring_reduce_scatter`` leaves), afterwards every rank holds every chunk: rank k's owned
+    chunk k, copied to all ranks. Returns ``tensor``.
 
-    N - 1 steps. At step s = 0, 1, ..., N - 2 rank r
+    N - 1 steps. At step j = 0, 1, ..., N - 2 rank r
 
-    - sends chunk (r + 1 - s) mod N to rank (r + 1) mod N, and
-    - receives chunk (r - s) mod N from rank (r - 1) mod N, straight into that chunk.
+    - sends chunk (r - j) mod N to rank (r + 1) mod N, and
+    - receives chunk (r - j - 1) mod N from rank (r - 1) mod N, straight into that chunk.
 
     At step 0 a rank sends the chunk it owns; afterwards it forwards the chunk it received
     at the step before. What a rank's other chunks held before the call does not matter.
 
-    Traffic: N - 1 messages of one chunk each; every chunk except (r + 2) mod N, (N - 1)/N
+    Traffic: N - 1 messages of one chunk each; every chunk except (r + 1) mod N, (N - 1)/N
     of the tensor's bytes when N divides numel.
     """
     rank, N = dist.get_rank(), dist.get_world_size()
     chunks = ring_chunks(tensor)
     # BEGIN SOLUTION: write the N - 1 ring steps of the docstring
     right, left = (rank + 1) % N, (rank - 1) % N
-    for step in range(N - 1):
-        sent, received = chunks[(rank + 1 - step) % N], chunks[(rank - step) % N]
+    for j in range(N - 1):
+        sent, received = chunks[(rank - j) % N], chunks[(rank - j - 1) % N]
         p2p.wait_all([p2p.isend(sent, right), p2p.irecv(received, left)])
     # END SOLUTION
     return tensor

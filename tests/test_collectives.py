@@ -123,10 +123,10 @@ def chunk_sizes(numel, N):
 def test_ring_allreduce_sends_every_chunk_but_the_owned_ones(world_size, numel, request):
     N, D = world_size, 4 * numel
     timeline = request.getfixturevalue(f"cluster{N}").trace(collective_on_ones, "ring_allreduce", numel)
-    # Rank r forwards every chunk but (r + 1) mod N (its own after the reduce-scatter)
-    # and every chunk but (r + 2) mod N (the one it receives last in the all-gather).
+    # Rank r forwards every chunk but r (its own after the reduce-scatter) and every chunk
+    # but (r + 1) mod N (the one it receives last in the all-gather).
     sizes = chunk_sizes(numel, N)
-    expected = [4 * (2 * numel - sizes[(r + 1) % N] - sizes[(r + 2) % N]) for r in range(N)]
+    expected = [4 * (2 * numel - sizes[r] - sizes[(r + 1) % N]) for r in range(N)]
     assert timeline.bytes_sent() == expected
     assert timeline.bytes_received() == [expected[(r - 1) % N] for r in range(N)]  # from rank r - 1
     if numel % N == 0:
@@ -206,13 +206,13 @@ def test_the_consistency_check_costs_N_minus_1_small_messages(cluster4):
 @pytest.mark.timeout(10)
 def test_ring_steps_match_the_hand_computed_schedule_at_3_ranks():
     steps = ring_steps(3)
-    assert [(step.phase, step.index, step.action) for step in steps] == [
+    assert [(step.phase, step.j, step.action) for step in steps] == [
         ("reduce-scatter", 0, "reduce"), ("reduce-scatter", 1, "reduce"),
         ("all-gather", 0, "copy"), ("all-gather", 1, "copy"),
     ]
     assert [(step.send, step.receive) for step in steps] == [
-        ((0, 1, 2), (2, 0, 1)), ((2, 0, 1), (1, 2, 0)),  # reduce-scatter: rank r starts with chunk r
-        ((1, 2, 0), (0, 1, 2)), ((0, 1, 2), (2, 0, 1)),  # all-gather: rank r starts with chunk r + 1
+        ((2, 0, 1), (1, 2, 0)), ((1, 2, 0), (0, 1, 2)),  # reduce-scatter: rank r starts with chunk r - 1
+        ((0, 1, 2), (2, 0, 1)), ((2, 0, 1), (1, 2, 0)),  # all-gather: rank r starts with its own chunk r
     ]
     assert ring_steps(3, "all-gather") == steps[2:]
     assert ring_steps(1) == []
@@ -226,8 +226,8 @@ def test_every_ring_step_receives_what_the_left_neighbour_sends(N):
     for step in ring_steps(N):
         assert step.receive == tuple(step.send[(r - 1) % N] for r in range(N))
         assert sorted(step.send) == list(range(N))  # each chunk moves once per step
-    for phase, never_sent in (("reduce-scatter", 1), ("all-gather", 2)):
-        for r in range(N):  # every chunk but (r + 1) mod N, resp. (r + 2) mod N, leaves rank r once
+    for phase, never_sent in (("reduce-scatter", 0), ("all-gather", 1)):
+        for r in range(N):  # every chunk but r, resp. (r + 1) mod N, leaves rank r once
             sent = [step.send[r] for step in ring_steps(N, phase)]
             assert sorted(sent) == sorted(c for c in range(N) if c != (r + never_sent) % N)
 
@@ -239,9 +239,9 @@ def counts(held):
 @pytest.mark.timeout(10)
 def test_ring_contributions_match_a_hand_worked_ring_of_3():
     assert ring_contributions(3, 0) == [[{0}] * 3, [{1}] * 3, [{2}] * 3]
-    assert ring_contributions(3, 1) == [[{0}, {0}, {0, 2}], [{0, 1}, {1}, {1}], [{2}, {1, 2}, {2}]]
-    assert counts(ring_contributions(3, 2)) == [[1, 3, 2], [2, 1, 3], [3, 2, 1]]  # owned: (r + 1) mod 3
-    assert counts(ring_contributions(3, 3)) == [[3, 3, 2], [2, 3, 3], [3, 2, 3]]
+    assert ring_contributions(3, 1) == [[{0}, {0, 2}, {0}], [{1}, {1}, {0, 1}], [{1, 2}, {2}, {2}]]
+    assert counts(ring_contributions(3, 2)) == [[3, 2, 1], [1, 3, 2], [2, 1, 3]]  # owned: chunk r
+    assert counts(ring_contributions(3, 3)) == [[3, 2, 3], [3, 3, 2], [2, 3, 3]]
     assert counts(ring_contributions(3, 4)) == [[3] * 3] * 3
     with pytest.raises(ValueError, match="between 0 and 2"):
         ring_contributions(3, 5)
@@ -249,10 +249,10 @@ def test_ring_contributions_match_a_hand_worked_ring_of_3():
 
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("N", range(1, 9))
-def test_after_the_reduce_scatter_rank_r_owns_chunk_r_plus_1_and_after_the_all_gather_everyone_has_all(N):
+def test_after_the_reduce_scatter_rank_r_owns_chunk_r_and_after_the_all_gather_everyone_has_all(N):
     everybody = set(range(N))
     owned = ring_contributions(N, N - 1)
-    assert all(owned[r][(r + 1) % N] == everybody for r in range(N))
+    assert all(owned[r][r] == everybody for r in range(N))
     assert sum(ranks == everybody for row in owned for ranks in row) == N  # nobody else is complete
     assert all(ranks == everybody for row in ring_contributions(N, 2 * (N - 1)) for ranks in row)
 
@@ -276,6 +276,30 @@ def test_ring_contributions_and_steps_match_a_real_traced_reduce_scatter(cluster
         expected = [8 * sizes[step.send[r]] for step in ring_steps(N, "reduce-scatter")]  # int64
         assert [ev.nbytes for ev in sends(timeline, r)] == expected
         assert [ev.peer for ev in sends(timeline, r)] == [(r + 1) % N] * (N - 1)
+
+
+def owned_chunk_and_torchs_reduce_scatter(numel):
+    """This rank's owned chunk after parlab's ring reduce-scatter, the index it returns, and
+    this rank's output of torch.distributed's own reduce-scatter of the same tensor."""
+    rank, N = dist.get_rank(), dist.get_world_size()
+    x = torch.randint(-1000, 1000, (numel,), generator=torch.Generator().manual_seed(rank)).float()
+    # torch 2.13 renamed reduce_scatter_tensor to reduce_scatter_single (same semantics)
+    reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    torchs = torch.empty(numel // N)
+    reduce_scatter_single(torchs, x.clone())
+    owned = ring_reduce_scatter(x, check=False)
+    return owned, x.tensor_split(N)[owned], torchs
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_rank_r_owns_chunk_r_as_torch_distributed_reduce_scatter_gives_it(world_size, request):
+    # Before, the ring left rank r with chunk (r + 1) mod N: a different layout from torch's.
+    N = world_size
+    results = request.getfixturevalue(f"cluster{N}").run(owned_chunk_and_torchs_reduce_scatter, 5 * N, timeout=30)
+    for rank, (owned, ours, torchs) in enumerate(results):
+        assert owned == rank
+        assert torch.equal(ours, torchs), rank  # integers below 2**24: every order of the sum is exact
 
 
 # --- mistakes a learner can make -----------------------------------------------------------

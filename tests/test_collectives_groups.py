@@ -36,7 +36,7 @@ def test_rings_within_rows_and_columns_reduce_the_group_only(check, cluster4):
         row, column = ROWS[rank // 2], COLUMNS[rank % 2]
         # Small integers and their halves: exact in fp32, so the results are too.
         assert torch.equal(summed, torch.full((numel,), sum(r + 1.0 for r in row)))
-        assert owned == (column.index(rank) + 1) % 2
+        assert owned == column.index(rank)  # its place in the group: group rank r owns chunk r
         column_mean = sum(r + 1.0 for r in column) / 2
         assert torch.equal(reduced, torch.full_like(reduced, column_mean))
         assert torch.equal(gathered, torch.full((numel,), column_mean))

@@ -10,7 +10,7 @@ from parlab.flat import FlatLayout, all_gather, reduce_scatter
 def test_padding_and_shards():
     layout = FlatLayout([(3, 2), (5,)], 4)
     assert (layout.numel, layout.shard_numel, layout.padded_numel) == (11, 3, 12)
-    assert [layout.shard_bounds(r) for r in range(4)] == [(3, 6), (6, 9), (9, 12), (0, 3)]
+    assert [layout.shard_bounds(r) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 12)]  # rank r: shard r
     flat = layout.flatten([torch.ones(3, 2), torch.arange(5.0)])
     assert flat.tolist() == [1, 1, 1, 1, 1, 1, 0, 1, 2, 3, 4, 0]
     weight, bias = layout.views(flat)

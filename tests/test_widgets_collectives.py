@@ -56,13 +56,13 @@ def test_ring_step_colours_each_cell_by_its_number_of_contributions(N, step):
 
 @pytest.mark.timeout(30)
 def test_ring_step_draws_the_transfers_of_the_step():
-    ax = plot_ring_step(4, 2)  # reduce-scatter step 2: rank r sends chunk r - 1, receives r - 2
+    ax = plot_ring_step(4, 2)  # reduce-scatter step j = 1: rank r sends chunk r - 2, receives r - 3
     assert ax.get_title() == "reduce-scatter step 2 of 3: each rank adds the chunk it receives into its own"
-    assert "sends chunk 3 → rank 1\nreceives chunk 2 ← rank 3" in texts(ax)  # rank 0
+    assert "sends chunk 2 → rank 1\nreceives chunk 1 ← rank 3" in texts(ax)  # rank 0
     assert "0+2+3" in texts(ax) and "all" not in texts(ax)
     boxes = outlines(ax)
     centres = sorted((round(box.get_x() + 0.5), round(box.get_y() + 0.5)) for box in boxes)  # (chunk, rank)
-    assert centres == [(0, 2), (1, 3), (2, 0), (3, 1)]
+    assert centres == [(0, 3), (1, 0), (2, 1), (3, 2)]
     assert {box.get_edgecolor() for box in boxes} == {matplotlib.colors.to_rgba(ACTION_COLOURS["reduce"])}
     arrows = [text for text in ax.texts if isinstance(text, Annotation)]
     assert len(arrows) == 3 + 2  # three between neighbours; the wrap from rank 3 to 0 in two halves

@@ -39,33 +39,33 @@ def rank(stage, phase, r, n_d=4):
 
 def test_stage_0_all_reduces_then_steps_everything_everywhere():
     assert rank(0, 0, 0) == (("w_t",) * 4, ("g_r",) * 4, ("s_t",) * 4)
-    # rank 0 owns shard 1: the ring reduce-scatter leaves the averaged chunk (0 + 1) mod 4 there
-    assert rank(0, 1, 0)[1] == ("partial", "g_avg", "partial", "partial")
+    # rank 1 owns shard 1: the ring reduce-scatter leaves the averaged chunk 1 there
+    assert rank(0, 1, 1)[1] == ("partial", "g_avg", "partial", "partial")
     assert rank(0, 2, 3) == (("w_t",) * 4, ("g_avg",) * 4, ("s_t",) * 4)
     assert rank(0, 3, 2) == (("w_t+1",) * 4, ("g_avg",) * 4, ("s_t+1",) * 4)
 
 
 def test_stage_1_shards_the_optimizer_state_and_keeps_the_full_gradient_buffer():
-    assert rank(1, 0, 0) == (("w_t",) * 4, ("g_r",) * 4, (_, "s_t", _, _))
-    assert rank(1, 1, 3) == (("w_t",) * 4, ("g_avg", "partial", "partial", "partial"), ("s_t", _, _, _))
-    assert rank(1, 2, 1) == (("w_t", "w_t", "w_t+1", "w_t"), ("partial", "partial", "g_avg", "partial"),
+    assert rank(1, 0, 1) == (("w_t",) * 4, ("g_r",) * 4, (_, "s_t", _, _))
+    assert rank(1, 1, 0) == (("w_t",) * 4, ("g_avg", "partial", "partial", "partial"), ("s_t", _, _, _))
+    assert rank(1, 2, 2) == (("w_t", "w_t", "w_t+1", "w_t"), ("partial", "partial", "g_avg", "partial"),
                              (_, _, "s_t+1", _))
-    assert rank(1, 3, 1) == (("w_t+1",) * 4, ("partial", "partial", "g_avg", "partial"), (_, _, "s_t+1", _))
+    assert rank(1, 3, 2) == (("w_t+1",) * 4, ("partial", "partial", "g_avg", "partial"), (_, _, "s_t+1", _))
 
 
 def test_stage_2_keeps_only_its_gradient_shard_after_the_reduce_scatter():
     assert rank(2, 0, 2)[1] == ("g_r",) * 4  # the full gradient exists from backward to the step
-    assert rank(2, 1, 2) == (("w_t",) * 4, (_, _, _, "g_avg"), (_, _, _, "s_t"))
-    assert rank(2, 2, 1) == (("w_t", "w_t", "w_t+1", "w_t"), (_, _, "g_avg", _), (_, _, "s_t+1", _))
-    assert rank(2, 3, 0) == (("w_t+1",) * 4, (_, "g_avg", _, _), (_, "s_t+1", _, _))
+    assert rank(2, 1, 3) == (("w_t",) * 4, (_, _, _, "g_avg"), (_, _, _, "s_t"))
+    assert rank(2, 2, 2) == (("w_t", "w_t", "w_t+1", "w_t"), (_, _, "g_avg", _), (_, _, "s_t+1", _))
+    assert rank(2, 3, 1) == (("w_t+1",) * 4, (_, "g_avg", _, _), (_, "s_t+1", _, _))
 
 
 def test_stage_3_gathers_a_unit_only_around_its_forward_and_backward():
-    assert [rank(3, phase, 0)[0] for phase in range(5)] == [
+    assert [rank(3, phase, 1)[0] for phase in range(5)] == [
         ("w_t",) * 4, (_, "w_t", _, _), ("w_t",) * 4, (_, "w_t", _, _), (_, "w_t+1", _, _)]
-    assert [rank(3, phase, 0)[1] for phase in range(5)] == [
+    assert [rank(3, phase, 1)[1] for phase in range(5)] == [
         (_,) * 4, (_,) * 4, ("g_r",) * 4, (_, "g_avg", _, _), (_, "g_avg", _, _)]
-    assert [rank(3, phase, 3)[2] for phase in range(5)] == [("s_t", _, _, _)] * 4 + [("s_t+1", _, _, _)]
+    assert [rank(3, phase, 0)[2] for phase in range(5)] == [("s_t", _, _, _)] * 4 + [("s_t+1", _, _, _)]
 
 
 @pytest.mark.parametrize("stage", sorted(STEP_PHASES))
@@ -75,11 +75,11 @@ def test_sharded_states_are_held_on_the_owned_shard_only(stage, n_d):
         for r, holding in enumerate(zero_step_holdings(stage, phase, n_d)):
             held = {part: [shard for shard, label in enumerate(labels) if label] for part, labels in holding.items()}
             if stage > 0:
-                assert held["optimizer"] == [(r + 1) % n_d], (stage, phase, r)
+                assert held["optimizer"] == [r], (stage, phase, r)
             if phase == len(STEP_PHASES[stage]) - 1 and stage >= 2:
-                assert held["grads"] == [(r + 1) % n_d]
+                assert held["grads"] == [r]
             if phase == len(STEP_PHASES[stage]) - 1 and stage == 3:
-                assert held["params"] == [(r + 1) % n_d]
+                assert held["params"] == [r]
 
 
 def test_learner_errors():
@@ -132,14 +132,14 @@ def test_the_figure_draws_one_cell_per_rank_state_and_shard():
     for (r, part, shard), patch in found.items():
         label = holdings[r][part][shard]
         assert patch.get_facecolor() == to_rgba(COLOURS[label] if label else "white"), (r, part, shard)
-        owned = shard == (r + 1) % 4
+        owned = shard == r
         assert (patch.get_edgecolor() == to_rgba("black")) == owned
     written = [text.get_text() for text in ax.texts if not text.get_text().startswith("shard")]
     # each rank: 4 parameter shards, 4 gradient shards (stage 1 keeps the buffer), 1 optimizer shard
     assert len(written) == 4 * 9
-    assert written[:9] == [LABELS[label] for label in ("w_t", "w_t+1", "w_t", "w_t", "partial", "g_avg", "partial",
+    assert written[:9] == [LABELS[label] for label in ("w_t+1", "w_t", "w_t", "w_t", "g_avg", "partial", "partial",
                                                        "partial", "s_t+1")]
-    assert [t.get_text() for t in ax.get_yticklabels()] == [f"rank {r} (owns {(r + 1) % 4})" for r in range(4)]
+    assert [t.get_text() for t in ax.get_yticklabels()] == [f"rank {r} (owns {r})" for r in range(4)]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["parameters", "gradients", "optimizer state"]
     assert ax.get_title() == "ZeRO stage 1, phase 3/4: optimizer step on the own shard"
 
@@ -149,8 +149,8 @@ def test_an_empty_shard_is_a_white_cell_without_text():
     found = cells(ax)
     assert len(found) == 2 * 3 * 2
     assert found[0, "grads", 1].get_facecolor() == to_rgba("white")
-    assert found[0, "params", 0].get_facecolor() == to_rgba("white")
-    assert found[0, "params", 1].get_facecolor() == to_rgba(COLOURS["w_t"])
+    assert found[0, "params", 1].get_facecolor() == to_rgba("white")
+    assert found[0, "params", 0].get_facecolor() == to_rgba(COLOURS["w_t"])  # rank 0 owns shard 0
     assert sum(not text.get_text().startswith("shard") for text in ax.texts) == 2 * 2  # w_t and s_t per rank
 
 

@@ -63,7 +63,7 @@ def plot_ring_step(N, step, ax=None):
     current = steps[step - 1]
     _draw_transfers(ax, current, N)
     verb = {"reduce": "adds the chunk it receives into its own", "copy": "writes the chunk it receives over its own"}
-    title = f"{current.phase} step {current.index + 1} of {N - 1}: each rank {verb[current.action]}"
+    title = f"{current.phase} step {current.j + 1} of {N - 1}: each rank {verb[current.action]}"
     ax.set_title(title, fontsize=10, pad=10)
     return ax
 

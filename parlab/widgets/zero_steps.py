@@ -9,8 +9,9 @@ engines of ``parlab.zero`` do it (``ZeroDP`` for stages 0 to 2, ``FSDP`` FULL_SH
     zero_step_widget(n_d=4)                  a stage dropdown and a phase slider over plot_zero_step
 
 Each model state is one flat buffer cut into N_d shards (``parlab.flat.FlatLayout``);
-rank r owns shard (r + 1) mod N_d, the chunk the ring reduce-scatter leaves fully reduced on
-it. A holding is one label per shard, None where the rank does not hold that shard:
+rank r owns shard r, the chunk the ring reduce-scatter leaves fully reduced on it (as
+``torch.distributed.reduce_scatter`` does). A holding is one label per shard, None where the
+rank does not hold that shard:
 
     w_t, w_t+1     the parameters before and after the optimizer step
     g_r            the rank's own gradient (of its shard of the batch), not yet averaged
@@ -38,7 +39,6 @@ all-reduce to between its two halves, where each rank has the averaged gradient 
 """
 
 from parlab._checks import whole_number
-from parlab.flat import FlatLayout
 from parlab.widgets._common import FIT, Feedback, import_ipywidgets, in_range, png, show_static
 from parlab.widgets.memory import PART_LABELS, PARTS, STAGE_LABELS
 
@@ -75,8 +75,7 @@ def zero_step_holdings(stage, phase, n_d=4):
         raise ValueError(f"stage {stage} has phases 0 to {len(STEP_PHASES[stage]) - 1} (STEP_PHASES[{stage}]), "
                          f"got phase={phase!r}.")
     whole_number("n_d (N_d, the data-parallel degree)", n_d, "give the number of data-parallel ranks, e.g. 4.")
-    layout = FlatLayout([(n_d,)], n_d)
-    return [_rank_holdings(stage, phase, layout.owned_shard(rank), n_d) for rank in range(n_d)]
+    return [_rank_holdings(stage, phase, rank, n_d) for rank in range(n_d)]
 
 
 def _rank_holdings(stage, phase, own, n_d):
@@ -117,15 +116,13 @@ def plot_zero_step(stage, phase, n_d=4, ax=None):
     _check_drawable(n_d)
     if ax is None:
         _, ax = plt.subplots(figsize=_figsize(n_d), layout="constrained")
-    layout = FlatLayout([(n_d,)], n_d)
     for rank, held in enumerate(holdings):
-        own = layout.owned_shard(rank)
         for block, part in enumerate(PARTS):
             for shard, label in enumerate(held[part]):
-                x = block * (n_d + 1) + shard
+                x, owned = block * (n_d + 1) + shard, shard == rank  # rank r owns shard r
                 ax.add_patch(Rectangle((x, rank), 0.92, 0.86, facecolor=COLOURS.get(label, "white"),
-                                       edgecolor="black" if shard == own else "#bbbbbb",
-                                       linewidth=1.2 if shard == own else 0.8, gid=f"{rank}-{part}-{shard}"))
+                                       edgecolor="black" if owned else "#bbbbbb",
+                                       linewidth=1.2 if owned else 0.8, gid=f"{rank}-{part}-{shard}"))
                 if label is not None:
                     ax.text(x + 0.46, rank + 0.43, LABELS[label], ha="center", va="center", fontsize=8,
                             color="white" if label in DARK else "black")
@@ -136,7 +133,7 @@ def plot_zero_step(stage, phase, n_d=4, ax=None):
     ax.set_ylim(n_d, -0.4)
     ax.set_xticks([block * (n_d + 1) + n_d / 2 - 0.04 for block in range(3)], [PART_LABELS[p] for p in PARTS])
     ax.set_yticks([rank + 0.43 for rank in range(n_d)],
-                  [f"rank {rank} (owns {layout.owned_shard(rank)})" for rank in range(n_d)], fontsize=8)
+                  [f"rank {rank} (owns {rank})" for rank in range(n_d)], fontsize=8)
     ax.tick_params(length=0)
     ax.set_frame_on(False)
     phases = STEP_PHASES[stage]

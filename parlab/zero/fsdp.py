@@ -8,7 +8,7 @@ optimizer state, and gathers a unit's full parameters only while that unit compu
 
 The model is cut into units by a wrap policy (``parlab.zero.units``); the Psi_u parameters of
 a unit become one flat parameter (``FlatLayout``), padded to a multiple of N_d and cut into
-N_d shards. Rank r keeps shard (r + 1) mod N_d as an fp32 ``nn.Parameter``: the optimizer
+N_d shards. Rank r keeps shard r as an fp32 ``nn.Parameter``: the optimizer
 (the torch class given, over the shards) steps it, and since Adam, AdamW and SGD with
 momentum are elementwise, that equals the same optimizer on the full parameters.
 
@@ -32,8 +32,8 @@ root unit is freed after forward too, so every unit makes the same transfers. Th
 each unit's "all-gather" and "reduce-scatter" ("all-reduce" under NO_SHARD) as spans whose
 ``stage`` is the unit's index.
 
-Memory at rest (after ``step``), fp32 with K bytes of optimizer state per parameter: the
-shards, their gradients and the optimizer state, (4 + 4 + K) Psi / N_d bytes (ZeRO stage 3;
+Memory at rest (after ``step``), fp32 with kappa bytes of optimizer state per parameter: the
+shards, their gradients and the optimizer state, (4 + 4 + kappa) Psi / N_d bytes (ZeRO stage 3;
 plus at most N_d - 1 padding elements per unit). While a unit computes, its full parameters
 (and in backward its full gradient) are added: one unit's, not the model's.
 

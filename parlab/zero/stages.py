@@ -3,14 +3,15 @@
 Every rank still holds the full parameters and runs a plain forward and backward on its
 shard of the batch, as in DDP. What differs is what each rank keeps between steps and what
 moves. With Psi trainable parameters on N_d ranks, in fp32 (4 bytes per parameter and per
-gradient; K bytes of optimizer state per parameter, K = 8 for Adam, 4 for SGD momentum):
+gradient; kappa bytes of optimizer state per parameter, kappa = 8 for Adam, 4 for SGD momentum;
+the ZeRO paper writes K for kappa):
 
-    stage  ZeroDP(..., stage=s)   sharded           bytes per rank                traffic per rank and step
-    0      baseline DDP           nothing           4 Psi + 4 Psi + K Psi         all-reduce of the gradients:
-                                                                                  RS + AG of 4 Psi bytes
-    1      P_os                   optimizer state   4 Psi + 4 Psi + K Psi / N_d   RS of the gradients
-                                                                                  + AG of the parameters
-    2      P_os+g                 + gradients       4 Psi + (4 + K) Psi / N_d     the same
+    stage  ZeroDP(..., stage=s)   sharded           bytes per rank                    traffic per rank and step
+    0      baseline DDP           nothing           4 Psi + 4 Psi + kappa Psi         all-reduce of the gradients:
+                                                                                      RS + AG of 4 Psi bytes
+    1      P_os                   optimizer state   4 Psi + 4 Psi + kappa Psi / N_d   RS of the gradients
+                                                                                      + AG of the parameters
+    2      P_os+g                 + gradients       4 Psi + (4 + kappa) Psi / N_d     the same
 
 A ring reduce-scatter (RS) or all-gather (AG) of D bytes sends (N_d - 1)/N_d D bytes per
 rank, so every stage here sends 2 (N_d - 1)/N_d x 4 x padded Psi bytes per step: sharding
@@ -26,11 +27,12 @@ How the bytes stay equal to the formula. The trainable parameters live in one fl
 buffer (``parlab.flat.FlatLayout``, padded to a multiple of N_d): every module
 parameter is a view into it, so the all-gather writes straight into the model. The inner
 optimizer (the given torch class) sees ONE Parameter, ``shard``: at stage 0 the whole flat
-buffer, at stages 1 and 2 the view of this rank's shard of it. Being a view, the shard adds
-no parameter bytes (no fp32 master copy is needed: in fp32 the parameters are the master
-parameters) and the optimizer's step writes the new values in place, ready to be gathered;
-the optimizer allocates its state for the shard only, K Psi / N_d. Since Adam, AdamW and
-SGD with momentum act elementwise, stepping the shard equals stepping the full parameters.
+buffer, at stages 1 and 2 the view of this rank's shard of it (rank r: shard r). Being a
+view, the shard adds no parameter bytes (no fp32 master copy is needed: in fp32 the
+parameters are the master parameters) and the optimizer's step writes the new values in
+place, ready to be gathered; the optimizer allocates its state for the shard only,
+kappa Psi / N_d. Since Adam, AdamW and SGD with momentum act elementwise, stepping the shard
+equals stepping the full parameters.
 
 Gradients. Module gradients are views into one flat gradient buffer (4 Psi), so backward
 accumulates straight into it. Stages 0 and 1 keep that buffer (after the RS only the own

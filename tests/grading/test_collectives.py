@@ -35,7 +35,7 @@ class TestRingReduceScatter:
     def test_owned_chunk_holds_the_sum(self, cluster, impl):
         N = cluster.world_size
         for rank, before, after, expected in run_cases(cluster, reduce_on_rank, impl.ring_reduce_scatter):
-            owned = (rank + 1) % N
+            owned = rank
             start, end = chunk_bounds(before.numel(), N)[owned]
             where = f"{N} ranks, {before.numel()} elements: rank {rank}'s owned chunk {owned}"
             check(after[start:end], expected[start:end], before[start:end], where, offset=start)
@@ -99,12 +99,12 @@ def reduce_on_rank(collective, numels):
 
 def all_gather_on_rank(ring_all_gather, numels):
     """[(input, input after the all-gather, the tensor every rank should end with)] per
-    length; the input holds the rank's owned chunk (r + 1) mod N and SENTINEL elsewhere."""
+    length; the input holds the rank's owned chunk r and SENTINEL elsewhere."""
     rank, N = dist.get_rank(), dist.get_world_size()
     cases = []
     for case, numel in enumerate(numels):
         expected = random_tensor(numel, seed=case)
-        start, end = chunk_bounds(numel, N)[(rank + 1) % N]
+        start, end = chunk_bounds(numel, N)[rank]
         tensor = torch.full_like(expected, SENTINEL)
         tensor[start:end] = expected[start:end]
         before = tensor.clone()
@@ -154,13 +154,13 @@ def check(got, expected, before, where, offset=0):
 
 
 def reduce_scatter_sends(rank, N):
-    """The chunks rank sends in a ring reduce-scatter: (r - s) mod N at step s."""
-    return [(rank - step) % N for step in range(N - 1)]
+    """The chunks rank sends in a ring reduce-scatter: (r - j - 1) mod N at step j."""
+    return [(rank - j - 1) % N for j in range(N - 1)]
 
 
 def all_gather_sends(rank, N):
-    """The chunks rank sends in a ring all-gather: (r + 1 - s) mod N at step s."""
-    return [(rank + 1 - step) % N for step in range(N - 1)]
+    """The chunks rank sends in a ring all-gather: (r - j) mod N at step j."""
+    return [(rank - j) % N for j in range(N - 1)]
 
 
 def allreduce_sends(rank, N):

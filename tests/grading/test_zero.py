@@ -85,9 +85,11 @@ class TestShardedOptimizer:
     @pytest.mark.points(1)
     def test_all_gathers_the_updated_parameters(self, cluster4, impl):
         timeline = run_sharded(cluster4, impl, 1, traced=True)
-        check_bytes_sent(timeline, "step", ring_bytes(4), "(N_d - 1)/N_d x 4 x padded Psi, one all-gather of the parameters", {
+        formula = "(N_d - 1)/N_d x 4 x padded Psi, one all-gather of the parameters"
+        check_bytes_sent(timeline, "step", ring_bytes(4), formula, {
             0: "nothing was traced; all-gather self.flat with the provided all_gather",
-            2 * ring_bytes(4): "an all-reduce's worth; every rank's own shard is already up to date, all_gather the rest",
+            2 * ring_bytes(4): "an all-reduce's worth; every rank's own shard is already up to date, all_gather the "
+                               "rest",
         })
 
 
@@ -288,7 +290,8 @@ def reduce_scatter_on_rank(reduce_scatter_gradients):
             gradient = reduce_scatter_gradients(params, layout)
         calls.append({
             "shard": gradient.detach().clone() if torch.is_tensor(gradient) else gradient,
-            "gradient_bytes": storage_bytes([gradient if torch.is_tensor(gradient) else None, *(p.grad for p in params)]),
+            "gradient_bytes": storage_bytes([gradient if torch.is_tensor(gradient) else None,
+                                             *(p.grad for p in params)]),
             "full_gradients_left": sum(p.grad is not None for p in params),
         })
     return calls
@@ -346,8 +349,8 @@ def check_training(per_rank, world_size, stage=1):
             if torch.equal(got, old):
                 why = (
                     "no parameter changed in step(): the optimizer must step self.shard, the view "
-                    "self.layout.shard(self.flat, self.rank) (chunk (r + 1) mod N_d, the one all_gather sends from "
-                    "rank r), in place before the all-gather"
+                    "self.layout.shard(self.flat, self.rank) (shard r, the one all_gather sends from rank r), in "
+                    "place before the all-gather"
                 )
                 if stage == 2:
                     why += "; at stage 2 only self.shard.grad holds a gradient, every p.grad is None"
@@ -381,16 +384,15 @@ def check_gradient_shards(per_rank, world_size):
             if close(got, expected, band):
                 continue
             chunks = {c: full[c * layout.shard_numel : (c + 1) * layout.shard_numel] for c in range(world_size)}
-            owned = layout.owned_shard(rank)
             if close(got, local[rank][start:end], band):
                 why = "is this rank's own gradient, not the average over the ranks: reduce_scatter it"
             elif close(got, expected * world_size, band * world_size):
                 why = "is the SUM over the ranks: average it (reduce_scatter's op='avg')"
-            elif any(close(got, chunk, band) for c, chunk in chunks.items() if c != owned):
-                why = f"is another chunk's average; rank {rank} owns chunk {owned} = (r + 1) mod N_d: layout.shard"
+            elif any(close(got, chunk, band) for c, chunk in chunks.items() if c != rank):
+                why = f"is another chunk's average; rank {rank} owns chunk {rank}: layout.shard(flat, rank)"
             else:
                 worst = max_abs_difference(got, expected)
                 why = (f"differs from this rank's shard of the full-batch gradient by up to {worst:.3g}, more than "
-                       f"rounding explains ({band:.1g}; rank {rank} owns chunk {owned} = (r + 1) mod N_d, the one "
-                       "reduce_scatter averages for it)")
+                       f"rounding explains ({band:.1g}; rank {rank} owns chunk {rank}, the one reduce_scatter "
+                       "averages for it)")
             assert False, f"{where}: the gradient shard {why}"
