@@ -39,8 +39,8 @@ from parlab import background, collectives, p2p, trace
 from parlab._checks import real_number
 from parlab.runtime import emulation
 
-# variant -> (the cap in MiB given to assign_buckets, launched during backward?). A cap of 0
-# gives every parameter a bucket of its own, an infinite cap one bucket for all.
+# variant -> (the bucket cap in MiB, launched during backward?). A cap of 0 gives every
+# parameter a bucket of its own, an infinite cap one bucket for all.
 VARIANTS = {
     "naive": (0, False),
     "flat": (math.inf, False),
@@ -50,29 +50,33 @@ VARIANTS = {
 MB = 1024 * 1024  # bucket_cap_mb counts mebibytes, as torch's
 
 
-def assign_buckets(parameters, bucket_cap_mb):
-    """Group parameters into buckets: a list of lists of indices into ``parameters``.
+def assign_buckets(sizes_in_bytes, bucket_cap_bytes):
+    """Group parameters into buckets: a list of lists of indices into ``sizes_in_bytes``.
 
-    ``parameters`` are given in registration order (``module.parameters()``); buckets are
-    filled in REVERSE order, because backward produces the gradients of the last layers
-    first, so the first bucket is ready first. A bucket closes when adding the next
-    parameter would take it over ``bucket_cap_mb`` MiB; a parameter larger than the cap
-    gets a bucket of its own. E.g. sizes [264, 144, 24] bytes with a cap of 168 bytes:
-    [[2, 1], [0]], all-reduces of 168 and 264 bytes. A cap of 0 gives every parameter a bucket
-    of its own, ``math.inf`` one bucket for all.
+    ``sizes_in_bytes[i]`` is the size of parameter i's gradient, parameters in registration
+    order (``module.parameters()``). Buckets are filled in REVERSE order, because backward
+    produces the gradients of the last layers first, so the first bucket is ready first. A
+    bucket closes when adding the next parameter would take it over ``bucket_cap_bytes`` (a
+    bucket may be exactly full); a parameter larger than the cap gets a bucket of its own.
+    Each bucket lists its indices in the order they were added (descending).
+
+    E.g. sizes [264, 144, 24] with a cap of 168 bytes: [[2, 1], [0]], all-reduces of 168 and
+    264 bytes. A cap of 0 gives every parameter a bucket of its own, ``math.inf`` one bucket
+    for all; no parameters, no buckets. DDP's ``bucket_cap_mb`` is ``bucket_cap_bytes / MB``.
     """
-    real_number("bucket_cap_mb (the size of a bucket in MiB)", bucket_cap_mb,
-                "pass a number of MiB, e.g. 25 (torch's default); 0 gives every parameter a bucket of its own, "
-                "math.inf one bucket for all.", infinite=True)
-    cap = bucket_cap_mb * MB
+    real_number("bucket_cap_bytes (the size of a bucket in bytes)", bucket_cap_bytes,
+                "pass a number of bytes, e.g. 25 * MB (25 MiB, torch's default); 0 gives every parameter a bucket "
+                "of its own, math.inf one bucket for all.", infinite=True)
+    for i, nbytes in enumerate(sizes_in_bytes):
+        real_number(f"sizes_in_bytes[{i}] (a gradient's size in bytes)", nbytes,
+                    "pass each parameter's gradient size in bytes, p.numel() * p.element_size().")
     buckets, size = [], 0
-    for index in reversed(range(len(parameters))):
-        nbytes = parameters[index].numel() * parameters[index].element_size()
-        if not buckets or size + nbytes > cap:
+    for index in reversed(range(len(sizes_in_bytes))):
+        if not buckets or size + sizes_in_bytes[index] > bucket_cap_bytes:
             buckets.append([])
             size = 0
         buckets[-1].append(index)
-        size += nbytes
+        size += sizes_in_bytes[index]
     return buckets
 
 
@@ -141,10 +145,11 @@ class DDP(torch.nn.Module):
         self.world_size = dist.get_world_size()
         _broadcast_from_rank0([*module.parameters(), *module.buffers()])
 
-        cap, during_backward = VARIANTS[variant]
+        cap_mb, during_backward = VARIANTS[variant]
+        sizes = [p.numel() * p.element_size() for p in self.parameters_to_sync]
         self.buckets = [
             Bucket([self.parameters_to_sync[i] for i in indices])
-            for indices in assign_buckets(self.parameters_to_sync, bucket_cap_mb if cap is None else cap)
+            for indices in assign_buckets(sizes, (bucket_cap_mb if cap_mb is None else cap_mb) * MB)
         ]
         if during_backward:
             for bucket in self.buckets:

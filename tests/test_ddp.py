@@ -194,14 +194,23 @@ def test_no_sync_over_four_microbatches_then_a_synced_one_is_one_full_batch_step
 
 
 def test_assign_buckets_fills_in_reverse_order_up_to_the_cap():
-    sizes = [torch.empty(n) for n in (66, 36, 6)]  # 264, 144 and 24 bytes
-    assert assign_buckets(sizes, (BIAS + HIDDEN + EMBEDDING) / MB) == [[2, 1, 0]]
-    assert assign_buckets(sizes, (BIAS + HIDDEN) / MB) == [[2, 1], [0]]  # exactly full, then too big
-    assert assign_buckets(sizes, 100 / MB) == [[2], [1], [0]]  # larger than the cap: a bucket each
+    # Plain sizes in bytes and a cap in bytes, the exercise's signature (it took parameters
+    # and a cap in MiB before).
+    sizes = [EMBEDDING, HIDDEN, BIAS]  # 264, 144 and 24 bytes
+    assert assign_buckets(sizes, BIAS + HIDDEN + EMBEDDING) == [[2, 1, 0]]
+    assert assign_buckets(sizes, BIAS + HIDDEN) == [[2, 1], [0]]  # exactly full, then too big
+    assert assign_buckets(sizes, 100) == [[2], [1], [0]]  # larger than the cap: a bucket each
     assert assign_buckets(sizes, 0) == [[2], [1], [0]]
     assert assign_buckets(sizes, math.inf) == [[2, 1, 0]]
-    mixed = [torch.empty(n) for n in (1, 1, 1000, 1, 1)]
-    assert assign_buckets(mixed, 8 / MB) == [[4, 3], [2], [1, 0]]
+    assert assign_buckets([4, 4, 4000, 4, 4], 8) == [[4, 3], [2], [1, 0]]
+    assert assign_buckets([], 8) == []
+
+
+def test_assign_buckets_refuses_parameters_and_a_cap_that_is_not_a_size():
+    with pytest.raises(ValueError, match=r"sizes_in_bytes\[0\] .* p.numel\(\) \* p.element_size\(\)"):
+        assign_buckets([torch.empty(3)], 25 * MB)
+    with pytest.raises(ValueError, match=r"bucket_cap_bytes .* got -1: pass a number of bytes, e.g. 25 \* MB"):
+        assign_buckets([12], -1)
 
 
 def mark_gradient_ready(param):
