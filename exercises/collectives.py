@@ -1,82 +1,74 @@
 # Generated from solutions/collectives.py by `python -m parlab.exercises build`.
 # Write your code where it raises NotImplementedError, then run `python -m parlab.grade collectives`.
-# parlab-generated sha256=a07356637c0680b9a33797eae35a6113efa843edd944e85cf859037668197bc2
+# parlab-generated sha256=0ab4ae95dffd687614afb7fd5d545c0978803cf9fb0825e8cf8747675429334e
 """Exercise: ring all-reduce, built from a ring reduce-scatter and a ring all-gather.
 
-Write the three functions below using only parlab's traced point-to-point calls,
+Write the three functions below with parlab's traced point-to-point calls only:
 ``p2p.send``/``p2p.recv`` (blocking) and ``p2p.isend``/``p2p.irecv`` (return a request to
 ``wait()`` on; ``p2p.wait_all(requests)`` waits for a list). No ``torch.distributed``
 collectives: the grader counts the bytes every rank sends.
 
-The ring. N ranks sit on a ring: rank r sends to its right neighbour (r + 1) mod N and
-receives from its left neighbour (r - 1) mod N. Sum is the only reduction.
+The ring. N ranks sit on a ring: rank r sends only to its right neighbour (r + 1) mod N and
+receives only from its left neighbour (r - 1) mod N. Sum is the only reduction.
 
 Chunks. Each function works in place on the flat view of a contiguous tensor of any length
-and shape, cut into N chunks as even as possible: with numel elements, every chunk has
-numel // N elements and the first numel % N chunks one more (``chunk_bounds`` below;
-chunks may be empty when numel < N). ``ring_chunks(tensor)`` returns the N chunks as views:
+and shape, cut into N chunks as even as possible: numel // N elements each, one more for
+the first numel % N; chunks are empty when numel < N. ``ring_chunks(tensor)`` (from
+``parlab.collectives``, whose own rings cut the same way) returns the N chunks as views:
 writing into a chunk writes into the tensor.
 
-Ownership. After ``ring_reduce_scatter`` rank r owns chunk r: that chunk holds the sum over
-all ranks, as chunk r of ``torch.distributed.reduce_scatter``. ``ring_all_gather`` starts
-from this ownership.
+Ownership. After ``ring_reduce_scatter`` rank r owns chunk r: it holds chunk r summed over
+all ranks, as ``torch.distributed.reduce_scatter`` gives rank r chunk r.
+``ring_all_gather`` starts from this ownership.
 
-Deadlock. ``p2p.send`` waits for the matching ``recv``: if every rank sends first, every
-rank waits forever. Post the receive and the send together (``irecv`` + ``isend``, then
-``wait_all``), and the grader's timeout stays out of your way.
+Blocking. ``p2p.send`` returns only once its message is received: a rank blocked in a send
+does nothing else until its neighbour posts the matching receive.
 
-Grade your work with ``python -m parlab.grade collectives`` (or
-``parlab.check("collectives.ring_reduce_scatter")`` in a notebook).
+Stuck? ``parlab.hint("collectives.ring_reduce_scatter")`` in a notebook (or
+``python -m parlab.grade --hint collectives.ring_reduce_scatter``) opens a hint, one level
+at a time. Grade your work with ``python -m parlab.grade collectives`` (or
+``parlab.check("collectives")`` in a notebook).
 """
 
 import torch
 import torch.distributed as dist
 
 from parlab import p2p
+from parlab.collectives import ring_chunks
 
 
 def ring_reduce_scatter(tensor):
-    """Ring reduce-scatter, in place: afterwards rank r owns chunk r, which holds the sum of
-    that chunk over all ranks. Returns that chunk's index, r.
+    """Ring reduce-scatter, in place: afterwards chunk r of rank r's tensor holds
+    sum over k of chunk r of rank k's tensor. Returns r, the index of the chunk it owns.
 
-    N - 1 steps. At step j = 0, 1, ..., N - 2 rank r
+    N - 1 steps; in each, every rank sends one chunk to its right neighbour and receives one
+    chunk from its left neighbour. What the other chunks hold afterwards is not specified
+    (partial sums, which nobody reads).
 
-    - sends chunk (r - j - 1) mod N to rank (r + 1) mod N, and
-    - receives chunk (r - j - 2) mod N from rank (r - 1) mod N and adds it into its own
-      chunk (r - j - 2) mod N (receive into a separate buffer, then add).
-
-    From step 1 on, the chunk a rank sends is the one it added into at the step before, so
-    each chunk travels around the ring collecting one term per rank. The other chunks hold
-    partial sums afterwards (nobody should read them).
-
-    Traffic: N - 1 messages of one chunk each; every chunk except the owned one, (N - 1)/N
-    of the tensor's bytes when N divides numel.
+    Traffic: N - 1 messages of one chunk each, every chunk but the owned one: (N - 1)/N of the
+    tensor's bytes when N divides numel.
     """
     rank, N = dist.get_rank(), dist.get_world_size()
     chunks = ring_chunks(tensor)
-    raise NotImplementedError("ring_reduce_scatter is not implemented yet: write the N - 1 ring steps of the docstring")
+    raise NotImplementedError("ring_reduce_scatter is not implemented yet: the N - 1 steps of the ring")
     return rank
 
 
 def ring_all_gather(tensor):
-    """Ring all-gather, in place: starting with rank r holding the correct chunk r (what
-    ``ring_reduce_scatter`` leaves), afterwards every rank holds every chunk: rank k's owned
-    chunk k, copied to all ranks. Returns ``tensor``.
+    """Ring all-gather, in place: given that chunk r of rank r's tensor is right (what
+    ``ring_reduce_scatter`` leaves), afterwards every rank's tensor holds chunk k of rank k's
+    tensor, for every k. What a rank's other chunks held before the call does not matter.
+    Returns ``tensor``.
 
-    N - 1 steps. At step j = 0, 1, ..., N - 2 rank r
+    N - 1 steps; in each, every rank sends one chunk to its right neighbour and receives one
+    chunk from its left neighbour.
 
-    - sends chunk (r - j) mod N to rank (r + 1) mod N, and
-    - receives chunk (r - j - 1) mod N from rank (r - 1) mod N, straight into that chunk.
-
-    At step 0 a rank sends the chunk it owns; afterwards it forwards the chunk it received
-    at the step before. What a rank's other chunks held before the call does not matter.
-
-    Traffic: N - 1 messages of one chunk each; every chunk except (r + 1) mod N, (N - 1)/N
-    of the tensor's bytes when N divides numel.
+    Traffic: N - 1 messages of one chunk each, every chunk but (r + 1) mod N: (N - 1)/N of the
+    tensor's bytes when N divides numel.
     """
     rank, N = dist.get_rank(), dist.get_world_size()
     chunks = ring_chunks(tensor)
-    raise NotImplementedError("ring_all_gather is not implemented yet: write the N - 1 ring steps of the docstring")
+    raise NotImplementedError("ring_all_gather is not implemented yet: the N - 1 steps of the ring")
     return tensor
 
 
@@ -84,35 +76,9 @@ def ring_allreduce(tensor):
     """Ring all-reduce, in place: afterwards every rank's ``tensor`` holds the element-wise
     sum of all ranks' tensors, like ``dist.all_reduce(tensor)``. Returns ``tensor``.
 
-    A ring reduce-scatter (each rank ends up owning one fully summed chunk) followed by a
-    ring all-gather of the owned chunks.
-
     Traffic: 2 (N - 1) messages of one chunk each, 2 (N - 1)/N of the tensor's bytes when N
     divides numel, whatever N is. Gathering every rank's whole tensor and summing locally
     gives the same numbers but sends N - 1 whole tensors: the grader checks the bytes.
     """
-    raise NotImplementedError("ring_allreduce is not implemented yet: call the two functions above")
+    raise NotImplementedError("ring_allreduce is not implemented yet: reduce-scatter, then all-gather")
     return tensor
-
-
-def ring_chunks(tensor):
-    """The N chunks of ``tensor``'s flat view (N = world size), as views into it."""
-    if not tensor.is_contiguous():
-        raise ValueError(
-            "ring collectives need a contiguous tensor; pass tensor.contiguous() and copy the result back."
-        )
-    flat = tensor.view(-1)
-    return [flat[start:end] for start, end in chunk_bounds(flat.numel(), dist.get_world_size())]
-
-
-def chunk_bounds(numel, world_size):
-    """[(start, end)] of the ``world_size`` chunks of ``numel`` elements: numel // N each,
-    and one more for the first numel % N chunks. chunk_bounds(10, 4) is
-    [(0, 3), (3, 6), (6, 8), (8, 10)]."""
-    base, extra = divmod(numel, world_size)
-    bounds, start = [], 0
-    for index in range(world_size):
-        end = start + base + (1 if index < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds

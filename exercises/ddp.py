@@ -1,6 +1,6 @@
 # Generated from solutions/ddp.py by `python -m parlab.exercises build`.
 # Write your code where it raises NotImplementedError, then run `python -m parlab.grade ddp`.
-# parlab-generated sha256=e76f9c430dd92cf86f893ae47dbca509f146b82ac6617bd581d93e867b5f1659
+# parlab-generated sha256=c4a9e53f6aed75a41386eead906a913d8320af7a89f90015ae28bc51ad7f71b9
 """Exercise: bucketed DDP that overlaps communication with backward, like torch's DistributedDataParallel.
 
 Every rank holds a whole replica of the model and computes the gradient of the mean loss
@@ -29,8 +29,9 @@ Launch every all-reduce with ``launch_all_reduce(flat)`` below: it starts
 ``dist.all_reduce(flat, async_op=True)`` and records the call in ``parlab.trace``, where the
 grader counts your all-reduces, their sizes and when they start.
 
-Grade your work with ``python -m parlab.grade ddp`` (or ``parlab.check("ddp.bucketed_ddp")``
-in a notebook).
+Stuck? ``parlab.hint("ddp.bucketed_ddp")`` in a notebook (or ``python -m parlab.grade --hint
+ddp.bucketed_ddp``) opens a hint, one level at a time. Grade your work with
+``python -m parlab.grade ddp`` (or ``parlab.check("ddp.bucketed_ddp")`` in a notebook).
 """
 
 import torch
@@ -42,14 +43,15 @@ MB = 1024 * 1024  # bucket_cap_mb counts mebibytes, as torch's
 
 
 def assign_buckets(sizes_in_bytes, bucket_cap_bytes):
-    """Group parameters into buckets: a list of lists of indices into ``sizes_in_bytes``.
+    """Group parameters into buckets: a list of lists of indices into ``sizes_in_bytes``
+    (the signature of ``parlab.ddp.assign_buckets``, which parlab's DDP uses).
 
     ``sizes_in_bytes[i]`` is the size of parameter i's gradient, parameters in registration
-    order (``module.parameters()``). Walk them in REVERSE order (i = n - 1, ..., 0), adding
-    each to the current bucket; start a new bucket when adding the parameter would take the
-    current one over ``bucket_cap_bytes`` (a bucket may be exactly full). A parameter larger
-    than the cap gets a bucket of its own. Each bucket lists its indices in the order they
-    were added (descending).
+    order (``module.parameters()``). Buckets are filled in REVERSE order, last parameter
+    first. A bucket closes when adding the next parameter would take it over
+    ``bucket_cap_bytes`` (a bucket may be exactly full); a parameter larger than the cap gets
+    a bucket of its own. Each bucket lists its indices in the order they were added
+    (descending).
 
     E.g. sizes [264, 144, 24] with a cap of 168 bytes: [[2, 1], [0]] (168 and 264 bytes);
     with a cap of 0, one bucket per parameter [[2], [1], [0]]; with an infinite cap
@@ -57,7 +59,7 @@ def assign_buckets(sizes_in_bytes, bucket_cap_bytes):
     """
     if bucket_cap_bytes < 0:
         raise ValueError(f"bucket_cap_bytes must be at least 0, got {bucket_cap_bytes}.")
-    raise NotImplementedError("assign_buckets is not implemented yet: walk the sizes in reverse, closing a bucket when the next one would not fit")
+    raise NotImplementedError("assign_buckets is not implemented yet: the buckets, last parameter first")
 
 
 class BucketedDDP(torch.nn.Module):
@@ -69,20 +71,15 @@ class BucketedDDP(torch.nn.Module):
     ``self.buckets[k]`` is the list of parameters of bucket k, from ``assign_buckets`` with
     a cap of ``bucket_cap_mb`` MiB. Then it calls ``register_gradient_hooks``.
 
-    You write:
+    You write the three methods below. The contract of one step:
 
-    - ``register_gradient_hooks()``: the state of a step (how many gradients of each bucket
-      are ready, the all-reduces in flight) and one post-accumulate-grad hook per parameter
-      of ``self.parameters_to_sync``, calling ``self.gradient_ready``.
-    - ``gradient_ready(param)``: count ``param``'s gradient as ready; when a bucket's last
-      gradient is ready, copy the bucket's gradients (``param.grad``) into one flat tensor
-      (``torch.cat`` of ``p.grad.reshape(-1)``) and ``launch_all_reduce`` it. Launch the
-      buckets in order 0, 1, 2, ...: if bucket k fills before bucket k - 1, launch it once
-      k - 1 is launched, so that every rank issues the same sequence of all-reduces.
-    - ``finish_gradient_synchronization()``: called after backward, before
-      ``optimizer.step()``. Wait for every bucket's all-reduce, in bucket order; divide the
-      sum by N_d and copy each parameter's piece back into its ``param.grad``
-      (``flat.split(numels)``, ``view_as(param)``); reset the state for the next step.
+    - during backward, as soon as the last gradient of bucket k is ready, the bucket's
+      gradients travel as ONE flat tensor through ONE ``launch_all_reduce``; buckets are
+      launched in order 0, 1, 2, ... on every rank (a bucket full before the one ahead of it
+      waits for it), so that every rank issues the same sequence of all-reduces;
+    - after ``finish_gradient_synchronization()`` (called after backward, before
+      ``optimizer.step()``) every ``param.grad`` of ``self.parameters_to_sync`` holds the
+      average over the N_d ranks, g = (1 / N_d) sum_r g_r, and the next step starts afresh.
 
     Every rank uses every trainable parameter in every step (each gets a gradient). The
     weights are never communicated after the constructor: only gradients are.
@@ -106,19 +103,19 @@ class BucketedDDP(torch.nn.Module):
         return self.module(*args, **kwargs)
 
     def register_gradient_hooks(self):
-        """Set up the per-step state and register ``self.gradient_ready`` as the
+        """Set up the state a step needs and register ``self.gradient_ready`` as the
         post-accumulate-grad hook of every parameter in ``self.parameters_to_sync``."""
-        raise NotImplementedError("register_gradient_hooks is not implemented yet: per-step state, then one register_post_accumulate_grad_hook per parameter")
+        raise NotImplementedError("register_gradient_hooks is not implemented yet: the state of a step, then the hooks")
 
     def gradient_ready(self, param):
-        """The hook: ``param.grad`` is ready. Launch every bucket, in order, whose gradients
-        are all ready and that is not launched yet."""
-        raise NotImplementedError("gradient_ready is not implemented yet: count param as ready, then launch the full buckets in order")
+        """The hook: ``param.grad`` holds this backward's gradient. Launches every bucket
+        that is now ready to go, in bucket order (see the class's contract)."""
+        raise NotImplementedError("gradient_ready is not implemented yet: launch what is ready")
 
     def finish_gradient_synchronization(self):
-        """Wait for every bucket's all-reduce in order, write the average (sum / N_d) back
-        into each ``param.grad``, and reset the state for the next step."""
-        raise NotImplementedError("finish_gradient_synchronization is not implemented yet: wait, divide by N_d, copy back into param.grad, reset")
+        """After backward: every ``param.grad`` becomes the average over the N_d ranks
+        (the all-reduce sums), and the state is ready for the next step."""
+        raise NotImplementedError("finish_gradient_synchronization is not implemented yet: the averaged gradients")
 
 
 # --- Provided ------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 # Generated from solutions/pipeline.py by `python -m parlab.exercises build`.
 # Write your code where it raises NotImplementedError, then run `python -m parlab.grade pipeline`.
-# parlab-generated sha256=559308582403833adbb9a25f20d2695aeba9d2a96e5069f38a523e935f0a2b12
+# parlab-generated sha256=c583d8592b58da0a3a870b9280e6b890cddb23d6dfe32dce63711ba1bbbb9b12
 """Exercise: the 1F1B pipeline schedule, and the work one stage does for each action.
 
 Pipeline parallelism cuts the model into K stages, one per rank, and the batch into M
@@ -22,9 +22,9 @@ For K = 2, M = 3:
     rank 0: 0F0 0F1 0B0 0F2 0B1 0B2
     rank 1: 1F0 1B0 1F1 1B1 1F2 1B2
 
-Part 1 is ``one_f_one_b(K, M)``, the schedule as data. parlab's validator
-(``parlab.pipeline.validate``) must accept it, and parlab's simulator counts the activations
-each rank holds.
+Part 1 is ``one_f_one_b(K, M)``, the schedule as data, with the signature and the return
+of ``parlab.pipeline.one_f_one_b``: a ``Schedule`` that parlab's validator
+(``parlab.pipeline.validate``) accepts, and whose activations parlab's simulator counts.
 
 Part 2 is the work of one action inside parlab's executor (``parlab.pipeline.executor``),
 which runs any schedule on real ranks: for each action of its rank it calls
@@ -60,43 +60,47 @@ Mark each compute in the trace, ``with trace.span("forward", stage=s, microbatch
 around ``run_forward`` and ``trace.span("backward", ...)`` around ``run_backward``: that is
 how a measured timeline (and the grader) sees your schedule run.
 
-Grade your work with ``python -m parlab.grade pipeline`` (or ``parlab.check("pipeline")``
-in a notebook).
+Stuck? ``parlab.hint("pipeline.one_f_one_b")`` in a notebook (or ``python -m parlab.grade
+--hint pipeline.one_f_one_b``) opens a hint, one level at a time. Grade your work with
+``python -m parlab.grade pipeline`` (or ``parlab.check("pipeline")`` in a notebook).
 """
 
 import torch
 
 from parlab import trace
-from parlab.pipeline import Action
+from parlab.pipeline import Action, Schedule, validate
 from parlab.pipeline.executor import ACTIVATION, GRADIENT
 
 
 def one_f_one_b(K, M):
-    """The 1F1B schedule of K ranks (one stage each: rank r holds stage r) and M micro-batches:
-    a list of K lists, list r holding rank r's ``Action(stage, kind, microbatch)`` in the
-    order it runs them (``Action(0, "F", 2)`` is ``0F2``; kind "F" or "B").
+    """The 1F1B schedule of K ranks (one stage each: rank r holds stage r) and M micro-batches,
+    validated: ``validate(Schedule("1f1b", K, M, 1, rows))``, where ``rows[r]`` lists rank r's
+    ``Action(stage, kind, microbatch)`` in the order it runs them (``Action(0, "F", 2)`` is
+    ``0F2``; kind "F" or "B").
 
-    Rank r runs K - r - 1 warm-up forwards, then pairs of one forward and one backward while
-    forwards remain, then the remaining backwards. Forwards and backwards each go in
-    micro-batch order 0, 1, ..., M - 1.
+    The order is 1F1B's (module docstring): on rank r, K - r - 1 warm-up forwards, then one
+    forward and one backward in turn while forwards remain, then the remaining backwards;
+    forwards and backwards each in micro-batch order 0, 1, ..., M - 1.
 
     The warm-up needs M >= K: for M < K raise ValueError with a sentence that gives the
     values of M and K and says what to change.
     """
-    raise NotImplementedError("one_f_one_b is not implemented yet: check M >= K; then per rank: warm-up forwards, (F, B) pairs, cool-down backwards")
+    raise NotImplementedError("one_f_one_b is not implemented yet: the check, then each rank's actions")
 
 
 def forward_step(executor, action):
-    """F(s, m): the input of stage s (micro-batch m of the batch on stage 0, otherwise the
-    activation that stage s - 1 sent), the stage run on it inside a "forward" trace span,
-    then its output sent to stage s + 1 or, on the last stage, the loss kept (detached) in
+    """F(s, m) on its rank. Contract: stage s runs (``executor.run_forward``, inside a
+    "forward" trace span) on its input, micro-batch m of the batch on stage 0 and the
+    activation F(s - 1, m) sent everywhere else; its output reaches stage s + 1, except on
+    the last stage, whose output, the loss of micro-batch m, is kept (detached) in
     ``executor.losses[m]``."""
-    raise NotImplementedError("forward_step is not implemented yet: input (batch or receive), run_forward in a span, then send or keep the loss")
+    raise NotImplementedError("forward_step is not implemented yet: the forward of one stage on one micro-batch")
 
 
 def backward_step(executor, action):
-    """B(s, m): the gradient of the output of stage s (on the last stage: dL/dloss_m = 1/M,
-    a tensor shaped like the loss; elsewhere the gradient that stage s + 1 sent), the
-    backward run from it inside a "backward" trace span, then the gradient of the stage
-    input sent to stage s - 1 (stage 0 sends nothing)."""
-    raise NotImplementedError("backward_step is not implemented yet: grad (1/M on the last stage, else receive), run_backward in a span, send the input's gradient")
+    """B(s, m) on its rank. Contract: stage s runs its backward (``executor.run_backward``,
+    inside a "backward" trace span) from the gradient of its output, which is
+    dL/dloss_m on the last stage (L = (1/M) sum_m loss_m: module docstring) and the input
+    gradient of B(s + 1, m) everywhere else; the gradient of its input reaches stage s - 1
+    (stage 0 has none to send)."""
+    raise NotImplementedError("backward_step is not implemented yet: the backward of one stage on one micro-batch")

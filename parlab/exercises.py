@@ -1,7 +1,9 @@
-"""Exercise files: the learner's ``exercises/<topic>.py``, generated from ``solutions/<topic>.py``.
+"""Exercise files: the learner's ``exercises/<topic>.py``, generated from ``solutions/<topic>.py``,
+and the hints a learner opens on purpose.
 
     python -m parlab.exercises build [TOPIC ...] [--force]   write the exercise files
     python -m parlab.exercises check [TOPIC ...]             exit 1 if any is out of date
+    hint("collectives.ring_reduce_scatter")                  the next hint for a task
 
 A solution marks what the learner writes with two comment lines:
 
@@ -14,8 +16,20 @@ The exercise has in their place, at the indentation of the BEGIN line,
         raise NotImplementedError("ring_reduce_scatter is not implemented yet: the N - 1 ring steps")
 
 naming the function around the block; the text after ``BEGIN SOLUTION:`` is an optional
-hint. Everything else (docstrings, helpers, imports) is copied as it is: the docstring is
-the specification.
+note on what goes there. Everything else (docstrings, helpers, imports) is copied as it is:
+the docstring is the specification (what the function computes, its shapes and formula,
+what it returns and may call), never the steps to write.
+
+Hints. The step-by-step help lives in the solution too, in one block that the exercise
+leaves out, at the top level of the file:
+
+    # BEGIN HINTS
+    HINTS = {"ring_reduce_scatter": ("a nudge", "the plan", "a sketch close to the solution")}
+    # END HINTS
+
+one entry per graded task (``tests/grading/test_<topic>.py``), three levels each
+(``HINT_LEVELS``). ``hint("<topic>.<task>")`` prints them one level at a time, each call the
+next; ``python -m parlab.grade --hint <topic>.<task> [--level L]`` prints one from a terminal.
 
 Edited exercises are safe. A generated file starts with a header whose last line holds the
 SHA-256 of the text below it. A file whose text no longer matches its hash was edited by
@@ -28,7 +42,9 @@ never judges a learner's work: an edited file is set aside for the version git's
 """
 
 import argparse
+import ast
 import hashlib
+import inspect
 import json
 import re
 import subprocess
@@ -38,8 +54,11 @@ from pathlib import Path
 # The repository: parlab is installed from it in editable mode (pip install -e .).
 ROOT = Path(__file__).resolve().parent.parent
 
-_BEGIN = re.compile(r"^(?P<indent>[ \t]*)# BEGIN SOLUTION(?::[ \t]*(?P<hint>.*?))?[ \t]*$")
+_BEGIN = re.compile(r"^(?P<indent>[ \t]*)# BEGIN SOLUTION(?::[ \t]*(?P<note>.*?))?[ \t]*$")
 _END = re.compile(r"^[ \t]*# END SOLUTION[ \t]*$")
+_BEGIN_HINTS = re.compile(r"^# BEGIN HINTS\b.*$")
+_END_HINTS = re.compile(r"^# END HINTS[ \t]*$")
+HINT_LEVELS = ("a nudge", "the plan", "a sketch close to the solution")
 _DEF = re.compile(r"^(?P<indent>[ \t]*)(?:async[ \t]+)?def[ \t]+(?P<name>\w+)")
 _HASH_LINE = re.compile(r"^# parlab-generated sha256=(?P<digest>[0-9a-f]{64})$")
 _HEADER = (
@@ -138,6 +157,68 @@ def stale(names=None, root=ROOT):
     return {topic: state for topic, state in states.items() if state[0] != "up to date"}
 
 
+_opened = {}  # "topic.task" -> the deepest hint level printed in this process
+
+
+def hint(task, level=None, root=ROOT):
+    """Print a hint for the exercise task ``task`` ("collectives.ring_reduce_scatter"), one
+    level at a time: the first call in this process a nudge, the next the plan, the third a
+    sketch close to the solution (``HINT_LEVELS``); later calls repeat the last. ``level``
+    (1 to 3) prints that level instead. An unknown task raises ValueError listing the tasks."""
+    if level is None:
+        level = min(_opened.get(task, 0) + 1, len(HINT_LEVELS))
+    text = hint_text(task, level, root)
+    _opened[task] = max(_opened.get(task, 0), level)
+    more = (f'parlab.hint("{task}") again opens hint {level + 1} ({HINT_LEVELS[level]}).'
+            if level < len(HINT_LEVELS) else "That was the last hint; the grader's reasons say what is still wrong.")
+    print(f"{text}\n\n{more}")
+
+
+def hint_text(task, level, root=ROOT):
+    """Hint ``level`` (1 to 3) of ``task`` as printed: a heading line, then the hint indented."""
+    levels = _hint_levels(task, root)
+    if isinstance(level, bool) or not isinstance(level, int) or not 1 <= level <= len(levels):
+        raise ValueError(f"level must be 1 to {len(levels)}, got {level!r}: hints go from 1 ({HINT_LEVELS[0]}) to "
+                         f"{len(levels)} ({HINT_LEVELS[-1]}).")
+    text = levels[level - 1]
+    body = "\n".join(f"    {line}" if line else "" for line in text.splitlines())
+    return f"{task}, hint {level} of {len(HINT_LEVELS)} ({HINT_LEVELS[level - 1]}):\n\n{body}"
+
+
+def hints(topic, root=ROOT):
+    """{task: (nudge, plan, sketch)} of ``solutions/<topic>.py``: its HINTS dict, between
+    ``# BEGIN HINTS`` and ``# END HINTS``, read without importing the solution. Raises
+    ValueError naming the file when the block is missing or not such a dict."""
+    name = f"solutions/{topic}.py"
+    lines = (Path(root) / "solutions" / f"{topic}.py").read_text().splitlines()
+    starts = [i for i, line in enumerate(lines) if _BEGIN_HINTS.match(line)]
+    ends = [i for i, line in enumerate(lines) if _END_HINTS.match(line)]
+    if len(starts) != 1 or len(ends) != 1 or ends[0] < starts[0]:
+        raise ValueError(f"{name} needs one block of hints, '# BEGIN HINTS' ... '# END HINTS', at the top level.")
+    block = ast.parse("\n".join(lines[starts[0] + 1 : ends[0]]), name).body
+    if len(block) != 1 or not isinstance(block[0], ast.Assign) or ast.unparse(block[0].targets[0]) != "HINTS":
+        raise ValueError(f"{name}: the hints block holds one assignment, HINTS = {{task: (nudge, plan, sketch)}}.")
+    found = ast.literal_eval(block[0].value)
+    if not isinstance(found, dict) or not all(
+            isinstance(levels, (tuple, list)) and len(levels) == len(HINT_LEVELS)
+            and all(isinstance(text, str) and text.strip() for text in levels) for levels in found.values()):
+        raise ValueError(f"{name}: HINTS maps each task to {len(HINT_LEVELS)} texts: {', '.join(HINT_LEVELS)}.")
+    return {task: tuple(inspect.cleandoc(text) for text in levels) for task, levels in found.items()}
+
+
+def hint_tasks(root=ROOT):
+    """Every "topic.task" that has hints, sorted."""
+    return sorted(f"{topic}.{task}" for topic in topics(root) for task in hints(topic, root))
+
+
+def _hint_levels(task, root):
+    topic, _, name = task.partition(".") if isinstance(task, str) else ("", "", "")
+    levels = hints(topic, root).get(name) if topic in topics(root) else None
+    if levels is None:
+        raise ValueError(f"there is no task {task!r}; the tasks are: {', '.join(hint_tasks(root))}.")
+    return levels
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m parlab.exercises", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=("build", "check"))
@@ -165,17 +246,25 @@ def main(argv=None):
 
 def _stub_blocks(source, topic, source_name):
     lines = source.splitlines(keepends=True)
-    out, begin = [], None
+    out, begin, hints_begin = [], None, None
     for number, line in enumerate(lines, start=1):
         text = line.rstrip("\r\n")
-        if _BEGIN.match(text):
+        if hints_begin is not None:
+            if _END_HINTS.match(text):
+                hints_begin = None
+        elif _BEGIN_HINTS.match(text):
+            if begin is not None:
+                raise ValueError(f"{source_name}, line {number}: BEGIN HINTS inside the SOLUTION block opened on "
+                                 f"line {begin}.")
+            hints_begin = number
+        elif _BEGIN.match(text):
             if begin is not None:
                 raise ValueError(
                     f"{source_name}, line {number}: BEGIN SOLUTION inside the block opened on line {begin}."
                 )
             begin, match = number, _BEGIN.match(text)
             name = _enclosing_function(lines, number, match["indent"]) or topic
-            out.append(_stub(match["indent"], name, match["hint"]))
+            out.append(_stub(match["indent"], name, match["note"]))
         elif _END.match(text):
             if begin is None:
                 raise ValueError(f"{source_name}, line {number}: END SOLUTION without a BEGIN SOLUTION above.")
@@ -184,11 +273,13 @@ def _stub_blocks(source, topic, source_name):
             out.append(line)
     if begin is not None:
         raise ValueError(f"{source_name}, line {begin}: BEGIN SOLUTION is never closed by an END SOLUTION.")
-    return "".join(out)
+    if hints_begin is not None:
+        raise ValueError(f"{source_name}, line {hints_begin}: BEGIN HINTS is never closed by an END HINTS.")
+    return "".join(out).rstrip("\n") + "\n"  # the blank lines before a final hints block go with it
 
 
-def _stub(indent, name, hint):
-    message = f"{name} is not implemented yet" + (f": {hint}" if hint else "")
+def _stub(indent, name, note):
+    message = f"{name} is not implemented yet" + (f": {note}" if note else "")
     return f"{indent}raise NotImplementedError({json.dumps(message, ensure_ascii=False)})\n"
 
 

@@ -2,11 +2,12 @@
 
     python -m parlab.grade [TOPIC[.TASK]] [--impl DIR]   every topic when none is named
     parlab.check("collectives.ring_allreduce")           the same from a notebook cell
+    python -m parlab.grade --hint TOPIC.TASK [--level L] a hint for a task (parlab.hint in a notebook)
 
 ``--impl`` is the directory whose ``<topic>.py`` is graded: ``exercises`` (yours, the
 default) or ``solutions``. The table has one row per task, points earned out of points
-possible, and under it one line per failed test saying why. The exit code is 0 only with
-full marks.
+possible, and under it one line per failed test saying why, which ends with where to get a
+hint for that task (``parlab.exercises.hint``). The exit code is 0 only with full marks.
 
 The tests run in a subprocess (pytest with ``parlab.grading_plugin``), so a deadlocked or
 crashing exercise never takes the notebook kernel down with it; every graded test has a
@@ -25,10 +26,13 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from parlab.exercises import ROOT
+from parlab.exercises import HINT_LEVELS, ROOT, hint_text
 
 # The whole run; each test has its own, much shorter, timeout (see parlab.grading_plugin).
 GRADING_TIMEOUT_S = 600
+# Where the table sends a learner for a hint, from a notebook and from a terminal.
+NOTEBOOK_HINT = 'parlab.hint("{task}")'
+TERMINAL_HINT = "python -m parlab.grade --hint {task}"
 
 
 @dataclass(frozen=True)
@@ -41,13 +45,13 @@ class Score:
         return self.possible > 0 and self.earned == self.possible
 
 
-def check(name=None, impl="exercises", root=ROOT):
+def check(name=None, impl="exercises", root=ROOT, hint=NOTEBOOK_HINT):
     """Grade topic ``name`` ("collectives"), one task of it ("collectives.ring_allreduce"),
-    or every topic (None), printing a line per task as it finishes, then the points table.
-    Returns the ``Score``."""
+    or every topic (None), printing a line per task as it finishes, then the points table,
+    whose reasons end with ``hint`` (the task in place of ``{task}``). Returns the ``Score``."""
     print(f"grading {name or 'all topics'} on {impl} ...", flush=True)
     results = run_grading(name, impl, root, progress=lambda line: print(line, flush=True))
-    print(format_table(results, name or "all topics", impl))
+    print(format_table(results, name or "all topics", impl, hint))
     return score(results)
 
 
@@ -148,10 +152,11 @@ def score(results):
     )
 
 
-def format_table(results, title, impl):
+def format_table(results, title, impl, hint=None):
     """The points table: a row per task (earned / possible), why each failed test failed. A
     reason every test shares (a file that does not import) is said once, above the table;
-    one that several tests of a task share, once under the task."""
+    one that several tests of a task share, once under the task. With ``hint`` (a text with
+    ``{task}``, e.g. ``NOTEBOOK_HINT``) each reason line ends with where that task's hints are."""
     tasks = {}
     for test in results:
         tasks.setdefault(test["task"], []).append(test)
@@ -160,25 +165,38 @@ def format_table(results, title, impl):
     lines = [f"{title}, graded on {impl}"]
     shared = _shared_reason(results)
     if shared and len(results) > 1:
-        lines.append(f"every test: {shared}")
+        task = next(iter(tasks)) if len(tasks) == 1 else None
+        lines.append(f"every test: {shared}{_pointer(hint, task)}")
     lines.append(f"{'task':<{width}}points")
     for task, tests in tasks.items():
         task_score = score(tests)
         lines.append(f"{task:<{width}}{task_score.earned:g} / {task_score.possible:g}")
         if not (shared and len(results) > 1):
-            lines += _reasons(tests)
+            lines += _reasons(tests, _pointer(hint, task))
     verdict = "  full marks" if total.full_marks else ""
     lines.append(f"{'total':<{width}}{total.earned:g} / {total.possible:g}{verdict}")
     return "\n".join(lines)
 
 
-def _reasons(tests):
-    """A line per reason the failed ``tests`` give: "    test: reason" or "    3 tests: reason"."""
+def _reasons(tests, pointer=""):
+    """A line per reason the failed ``tests`` give: "    test: reason" or "    3 tests: reason",
+    each followed by ``pointer``."""
     named = {}
     for test in tests:
         if not test["passed"]:
             named.setdefault(test["reason"], []).append(test["test"])
-    return [f"    {names[0] if len(names) == 1 else f'{len(names)} tests'}: {why}" for why, names in named.items()]
+    return [f"    {names[0] if len(names) == 1 else f'{len(names)} tests'}: {why}{pointer}"
+            for why, names in named.items()]
+
+
+def _pointer(hint, task):
+    """" [hint: parlab.hint("topic.task")]", or for a reason shared by several tasks, the form
+    to use with any of them; "" without ``hint``."""
+    if hint is None:
+        return ""
+    if task is None:
+        return f" [hints: {hint.format(task='TASK')}, TASK a task below]"
+    return f" [hint: {hint.format(task=task)}]"
 
 
 def _shared_reason(tests):
@@ -191,13 +209,29 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m parlab.grade", description=__doc__.split("\n\n")[0])
     parser.add_argument("name", nargs="?", help='a topic ("collectives") or a task ("collectives.ring_allreduce")')
     parser.add_argument("--impl", default="exercises", help="the folder of graded files (default: exercises)")
+    parser.add_argument("--hint", metavar="TASK", help="print a hint for TASK (topic.task, or task after a topic) "
+                        "instead of grading")
+    parser.add_argument("--level", type=int, default=1,
+                        help=f"which hint, 1 to {len(HINT_LEVELS)}: {', '.join(HINT_LEVELS)} (default: 1)")
     args = parser.parse_args(argv)
     try:
-        result = check(args.name, args.impl)
+        if args.hint is not None:
+            task = args.hint if "." in args.hint or not args.name else f"{args.name}.{args.hint}"
+            return print_hint(task, args.level)
+        result = check(args.name, args.impl, hint=TERMINAL_HINT)
     except (ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0 if result.full_marks else 1
+
+
+def print_hint(task, level):
+    """The terminal's form of ``parlab.hint``: hint ``level`` of ``task``, and the command
+    for the next one."""
+    print(hint_text(task, level))
+    if level < len(HINT_LEVELS):
+        print(f"\nNext, {HINT_LEVELS[level]}: {TERMINAL_HINT.format(task=task)} --level {level + 1}")
+    return 0
 
 
 if __name__ == "__main__":

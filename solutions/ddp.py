@@ -26,8 +26,9 @@ Launch every all-reduce with ``launch_all_reduce(flat)`` below: it starts
 ``dist.all_reduce(flat, async_op=True)`` and records the call in ``parlab.trace``, where the
 grader counts your all-reduces, their sizes and when they start.
 
-Grade your work with ``python -m parlab.grade ddp`` (or ``parlab.check("ddp.bucketed_ddp")``
-in a notebook).
+Stuck? ``parlab.hint("ddp.bucketed_ddp")`` in a notebook (or ``python -m parlab.grade --hint
+ddp.bucketed_ddp``) opens a hint, one level at a time. Grade your work with
+``python -m parlab.grade ddp`` (or ``parlab.check("ddp.bucketed_ddp")`` in a notebook).
 """
 
 import torch
@@ -39,14 +40,15 @@ MB = 1024 * 1024  # bucket_cap_mb counts mebibytes, as torch's
 
 
 def assign_buckets(sizes_in_bytes, bucket_cap_bytes):
-    """Group parameters into buckets: a list of lists of indices into ``sizes_in_bytes``.
+    """Group parameters into buckets: a list of lists of indices into ``sizes_in_bytes``
+    (the signature of ``parlab.ddp.assign_buckets``, which parlab's DDP uses).
 
     ``sizes_in_bytes[i]`` is the size of parameter i's gradient, parameters in registration
-    order (``module.parameters()``). Walk them in REVERSE order (i = n - 1, ..., 0), adding
-    each to the current bucket; start a new bucket when adding the parameter would take the
-    current one over ``bucket_cap_bytes`` (a bucket may be exactly full). A parameter larger
-    than the cap gets a bucket of its own. Each bucket lists its indices in the order they
-    were added (descending).
+    order (``module.parameters()``). Buckets are filled in REVERSE order, last parameter
+    first. A bucket closes when adding the next parameter would take it over
+    ``bucket_cap_bytes`` (a bucket may be exactly full); a parameter larger than the cap gets
+    a bucket of its own. Each bucket lists its indices in the order they were added
+    (descending).
 
     E.g. sizes [264, 144, 24] with a cap of 168 bytes: [[2, 1], [0]] (168 and 264 bytes);
     with a cap of 0, one bucket per parameter [[2], [1], [0]]; with an infinite cap
@@ -54,7 +56,7 @@ def assign_buckets(sizes_in_bytes, bucket_cap_bytes):
     """
     if bucket_cap_bytes < 0:
         raise ValueError(f"bucket_cap_bytes must be at least 0, got {bucket_cap_bytes}.")
-    # BEGIN SOLUTION: walk the sizes in reverse, closing a bucket when the next one would not fit
+    # BEGIN SOLUTION: the buckets, last parameter first
     buckets, size = [], 0
     for index in reversed(range(len(sizes_in_bytes))):
         if not buckets or size + sizes_in_bytes[index] > bucket_cap_bytes:
@@ -75,20 +77,15 @@ class BucketedDDP(torch.nn.Module):
     ``self.buckets[k]`` is the list of parameters of bucket k, from ``assign_buckets`` with
     a cap of ``bucket_cap_mb`` MiB. Then it calls ``register_gradient_hooks``.
 
-    You write:
+    You write the three methods below. The contract of one step:
 
-    - ``register_gradient_hooks()``: the state of a step (how many gradients of each bucket
-      are ready, the all-reduces in flight) and one post-accumulate-grad hook per parameter
-      of ``self.parameters_to_sync``, calling ``self.gradient_ready``.
-    - ``gradient_ready(param)``: count ``param``'s gradient as ready; when a bucket's last
-      gradient is ready, copy the bucket's gradients (``param.grad``) into one flat tensor
-      (``torch.cat`` of ``p.grad.reshape(-1)``) and ``launch_all_reduce`` it. Launch the
-      buckets in order 0, 1, 2, ...: if bucket k fills before bucket k - 1, launch it once
-      k - 1 is launched, so that every rank issues the same sequence of all-reduces.
-    - ``finish_gradient_synchronization()``: called after backward, before
-      ``optimizer.step()``. Wait for every bucket's all-reduce, in bucket order; divide the
-      sum by N_d and copy each parameter's piece back into its ``param.grad``
-      (``flat.split(numels)``, ``view_as(param)``); reset the state for the next step.
+    - during backward, as soon as the last gradient of bucket k is ready, the bucket's
+      gradients travel as ONE flat tensor through ONE ``launch_all_reduce``; buckets are
+      launched in order 0, 1, 2, ... on every rank (a bucket full before the one ahead of it
+      waits for it), so that every rank issues the same sequence of all-reduces;
+    - after ``finish_gradient_synchronization()`` (called after backward, before
+      ``optimizer.step()``) every ``param.grad`` of ``self.parameters_to_sync`` holds the
+      average over the N_d ranks, g = (1 / N_d) sum_r g_r, and the next step starts afresh.
 
     Every rank uses every trainable parameter in every step (each gets a gradient). The
     weights are never communicated after the constructor: only gradients are.
@@ -112,9 +109,9 @@ class BucketedDDP(torch.nn.Module):
         return self.module(*args, **kwargs)
 
     def register_gradient_hooks(self):
-        """Set up the per-step state and register ``self.gradient_ready`` as the
+        """Set up the state a step needs and register ``self.gradient_ready`` as the
         post-accumulate-grad hook of every parameter in ``self.parameters_to_sync``."""
-        # BEGIN SOLUTION: per-step state, then one register_post_accumulate_grad_hook per parameter
+        # BEGIN SOLUTION: the state of a step, then the hooks
         self.bucket_of = {id(p): k for k, bucket in enumerate(self.buckets) for p in bucket}
         self.ready = [0] * len(self.buckets)  # gradients ready per bucket in this backward
         self.in_flight = []  # one launch_all_reduce handle per launched bucket, in bucket order
@@ -123,9 +120,9 @@ class BucketedDDP(torch.nn.Module):
         # END SOLUTION
 
     def gradient_ready(self, param):
-        """The hook: ``param.grad`` is ready. Launch every bucket, in order, whose gradients
-        are all ready and that is not launched yet."""
-        # BEGIN SOLUTION: count param as ready, then launch the full buckets in order
+        """The hook: ``param.grad`` holds this backward's gradient. Launches every bucket
+        that is now ready to go, in bucket order (see the class's contract)."""
+        # BEGIN SOLUTION: launch what is ready
         self.ready[self.bucket_of[id(param)]] += 1
         while len(self.in_flight) < len(self.buckets):
             bucket = self.buckets[len(self.in_flight)]
@@ -135,9 +132,9 @@ class BucketedDDP(torch.nn.Module):
         # END SOLUTION
 
     def finish_gradient_synchronization(self):
-        """Wait for every bucket's all-reduce in order, write the average (sum / N_d) back
-        into each ``param.grad``, and reset the state for the next step."""
-        # BEGIN SOLUTION: wait, divide by N_d, copy back into param.grad, reset
+        """After backward: every ``param.grad`` becomes the average over the N_d ranks
+        (the all-reduce sums), and the state is ready for the next step."""
+        # BEGIN SOLUTION: the averaged gradients
         for bucket, handle in zip(self.buckets, self.in_flight, strict=True):
             flat = handle.wait() / self.world_size
             for p, piece in zip(bucket, flat.split([p.numel() for p in bucket])):
@@ -178,3 +175,65 @@ def broadcast_from_rank0(tensors):
     """Overwrite each tensor with rank 0's copy."""
     for tensor in tensors:
         dist.broadcast(tensor.detach(), src=0)
+
+
+# BEGIN HINTS
+HINTS = {
+    "assign_buckets": (
+        """
+        Walk the parameters from the last to the first, keeping the running total of the
+        bucket you are filling. When does a bucket have to close?
+        """,
+        """
+        For i = n - 1 down to 0: if there is no bucket yet, or size i added to the running
+        total would exceed the cap, start a new bucket (running total 0). Then put i in the
+        current bucket and add its size. A parameter larger than the cap then lands alone in
+        a fresh bucket, and a bucket that reaches the cap exactly stays one bucket.
+        """,
+        """
+        buckets, total = [], 0
+        for i in reversed(range(len(sizes_in_bytes))):
+            if no bucket yet or total + sizes_in_bytes[i] > bucket_cap_bytes:
+                start a new bucket, total = 0
+            append i to the last bucket, add sizes_in_bytes[i] to total
+        return buckets
+        """,
+    ),
+    "bucketed_ddp": (
+        """
+        Keep three things per step: which bucket each parameter belongs to, how many
+        gradients of each bucket are ready, and the all-reduces launched so far (their
+        handles, in bucket order). The hook only counts and launches; the finish only waits
+        and copies back.
+        """,
+        """
+        register_gradient_hooks: a dict id(p) -> bucket index, a ready count per bucket,
+        an empty list of launched handles; then p.register_post_accumulate_grad_hook(
+        self.gradient_ready) for every p in self.parameters_to_sync.
+
+        gradient_ready(param): add one to its bucket's count. Then, while the next bucket to
+        launch (index len(launched)) exists and all its gradients are ready, flatten its
+        gradients into one tensor (torch.cat of each p.grad.reshape(-1)) and append
+        launch_all_reduce(flat) to the launched handles.
+
+        finish_gradient_synchronization: for each bucket with its handle, in order,
+        handle.wait() returns the summed flat tensor; divide by N_d, cut it with
+        flat.split([p.numel() for p in bucket]) and copy each piece, view_as(p), into p.grad.
+        Reset the counts and the handles for the next step.
+        """,
+        """
+        def gradient_ready(self, param):
+            self.ready[self.bucket_of[id(param)]] += 1
+            while len(self.in_flight) < len(self.buckets):
+                k = len(self.in_flight)
+                if self.ready[k] < len(self.buckets[k]): stop
+                flat = torch.cat of the bucket's p.grad.reshape(-1)
+                self.in_flight.append(launch_all_reduce(flat))
+
+        Hook the parameter's .grad, never the parameter itself: all-reducing the weights
+        (equal on every rank already) leaves each rank with its own gradient, and the
+        replicas drift apart.
+        """,
+    ),
+}
+# END HINTS

@@ -19,9 +19,9 @@ For K = 2, M = 3:
     rank 0: 0F0 0F1 0B0 0F2 0B1 0B2
     rank 1: 1F0 1B0 1F1 1B1 1F2 1B2
 
-Part 1 is ``one_f_one_b(K, M)``, the schedule as data. parlab's validator
-(``parlab.pipeline.validate``) must accept it, and parlab's simulator counts the activations
-each rank holds.
+Part 1 is ``one_f_one_b(K, M)``, the schedule as data, with the signature and the return
+of ``parlab.pipeline.one_f_one_b``: a ``Schedule`` that parlab's validator
+(``parlab.pipeline.validate``) accepts, and whose activations parlab's simulator counts.
 
 Part 2 is the work of one action inside parlab's executor (``parlab.pipeline.executor``),
 which runs any schedule on real ranks: for each action of its rank it calls
@@ -57,34 +57,36 @@ Mark each compute in the trace, ``with trace.span("forward", stage=s, microbatch
 around ``run_forward`` and ``trace.span("backward", ...)`` around ``run_backward``: that is
 how a measured timeline (and the grader) sees your schedule run.
 
-Grade your work with ``python -m parlab.grade pipeline`` (or ``parlab.check("pipeline")``
-in a notebook).
+Stuck? ``parlab.hint("pipeline.one_f_one_b")`` in a notebook (or ``python -m parlab.grade
+--hint pipeline.one_f_one_b``) opens a hint, one level at a time. Grade your work with
+``python -m parlab.grade pipeline`` (or ``parlab.check("pipeline")`` in a notebook).
 """
 
 import torch
 
 from parlab import trace
-from parlab.pipeline import Action
+from parlab.pipeline import Action, Schedule, validate
 from parlab.pipeline.executor import ACTIVATION, GRADIENT
 
 
 def one_f_one_b(K, M):
-    """The 1F1B schedule of K ranks (one stage each: rank r holds stage r) and M micro-batches:
-    a list of K lists, list r holding rank r's ``Action(stage, kind, microbatch)`` in the
-    order it runs them (``Action(0, "F", 2)`` is ``0F2``; kind "F" or "B").
+    """The 1F1B schedule of K ranks (one stage each: rank r holds stage r) and M micro-batches,
+    validated: ``validate(Schedule("1f1b", K, M, 1, rows))``, where ``rows[r]`` lists rank r's
+    ``Action(stage, kind, microbatch)`` in the order it runs them (``Action(0, "F", 2)`` is
+    ``0F2``; kind "F" or "B").
 
-    Rank r runs K - r - 1 warm-up forwards, then pairs of one forward and one backward while
-    forwards remain, then the remaining backwards. Forwards and backwards each go in
-    micro-batch order 0, 1, ..., M - 1.
+    The order is 1F1B's (module docstring): on rank r, K - r - 1 warm-up forwards, then one
+    forward and one backward in turn while forwards remain, then the remaining backwards;
+    forwards and backwards each in micro-batch order 0, 1, ..., M - 1.
 
     The warm-up needs M >= K: for M < K raise ValueError with a sentence that gives the
     values of M and K and says what to change.
     """
-    # BEGIN SOLUTION: check M >= K; then per rank: warm-up forwards, (F, B) pairs, cool-down backwards
+    # BEGIN SOLUTION: the check, then each rank's actions
     if M < K:
         raise ValueError(f"1F1B needs M >= K micro-batches to fill its warm-up, but M = {M} < K = {K}: "
                          f"use at least {K} micro-batches, or GPipe.")
-    schedule = []
+    rows = []
     for r in range(K):
         warmup = K - r - 1
         row = [Action(r, "F", m) for m in range(warmup)]
@@ -93,17 +95,18 @@ def one_f_one_b(K, M):
             row.append(Action(r, "F", m))
             row.append(Action(r, "B", m - warmup))
         row.extend(Action(r, "B", m) for m in range(M - warmup, M))
-        schedule.append(row)
-    return schedule
+        rows.append(row)
+    return validate(Schedule("1f1b", K, M, 1, rows))
     # END SOLUTION
 
 
 def forward_step(executor, action):
-    """F(s, m): the input of stage s (micro-batch m of the batch on stage 0, otherwise the
-    activation that stage s - 1 sent), the stage run on it inside a "forward" trace span,
-    then its output sent to stage s + 1 or, on the last stage, the loss kept (detached) in
+    """F(s, m) on its rank. Contract: stage s runs (``executor.run_forward``, inside a
+    "forward" trace span) on its input, micro-batch m of the batch on stage 0 and the
+    activation F(s - 1, m) sent everywhere else; its output reaches stage s + 1, except on
+    the last stage, whose output, the loss of micro-batch m, is kept (detached) in
     ``executor.losses[m]``."""
-    # BEGIN SOLUTION: input (batch or receive), run_forward in a span, then send or keep the loss
+    # BEGIN SOLUTION: the forward of one stage on one micro-batch
     s, m = action.stage, action.microbatch
     if s == 0:
         x = executor.input_microbatches[m]
@@ -119,11 +122,12 @@ def forward_step(executor, action):
 
 
 def backward_step(executor, action):
-    """B(s, m): the gradient of the output of stage s (on the last stage: dL/dloss_m = 1/M,
-    a tensor shaped like the loss; elsewhere the gradient that stage s + 1 sent), the
-    backward run from it inside a "backward" trace span, then the gradient of the stage
-    input sent to stage s - 1 (stage 0 sends nothing)."""
-    # BEGIN SOLUTION: grad (1/M on the last stage, else receive), run_backward in a span, send the input's gradient
+    """B(s, m) on its rank. Contract: stage s runs its backward (``executor.run_backward``,
+    inside a "backward" trace span) from the gradient of its output, which is
+    dL/dloss_m on the last stage (L = (1/M) sum_m loss_m: module docstring) and the input
+    gradient of B(s + 1, m) everywhere else; the gradient of its input reaches stage s - 1
+    (stage 0 has none to send)."""
+    # BEGIN SOLUTION: the backward of one stage on one micro-batch
     s, m = action.stage, action.microbatch
     if s < executor.last_stage:
         grad = executor.receive(GRADIENT, s + 1, m)
@@ -135,3 +139,71 @@ def backward_step(executor, action):
     if s > 0:
         executor.send(GRADIENT, s, m, grad_input)
     # END SOLUTION
+
+
+# BEGIN HINTS
+HINTS = {
+    "one_f_one_b": (
+        """
+        Write each rank's list in three phases: warm-up, steady state, cool-down. In the
+        steady state each forward is followed by a backward; how far behind its forwards do
+        rank r's backwards run?
+        """,
+        """
+        First the check: M < K raises ValueError naming M and K. Then for each rank r, with
+        w = K - r - 1 warm-up forwards:
+
+        - warm-up: F(r, m) for m = 0 .. w - 1;
+        - steady state: for m = w .. M - 1, F(r, m) then B(r, m - w): the backward trails the
+          forward by the warm-up's length;
+        - cool-down: B(r, m) for the last w micro-batches, m = M - w .. M - 1.
+
+        Return validate(Schedule("1f1b", K, M, 1, rows)).
+        """,
+        """
+        rows = []
+        for r in range(K):
+            w = K - r - 1
+            row = [Action(r, "F", m) for m in range(w)]
+            for m in range(w, M):
+                row += [Action(r, "F", m), Action(r, "B", m - w)]
+            row += the backwards of micro-batches M - w .. M - 1
+            rows.append(row)
+
+        One warm-up forward too many is still a valid schedule, but rank r then holds one
+        micro-batch of activations more than 1F1B's K - r.
+        """,
+    ),
+    "stage_step": (
+        """
+        Each action is: get the input, compute inside a trace span, pass the result on.
+        What differs between stages is where the input comes from (the batch on stage 0) and
+        where the output goes (the last stage keeps its loss).
+        """,
+        """
+        forward_step: x is executor.input_microbatches[m] on stage 0, else
+        executor.receive(ACTIVATION, s - 1, m). Run y = executor.run_forward(s, m, x) inside
+        trace.span("forward", stage=s, microbatch=m). Then executor.send(ACTIVATION, s, m, y),
+        or on the last stage executor.losses[m] = y.detach().
+
+        backward_step: on the last stage the output's gradient is dL/dloss_m = 1/M, a tensor
+        shaped like executor.losses[m] (torch.full_like); elsewhere
+        executor.receive(GRADIENT, s + 1, m). Run executor.run_backward(s, m, grad) inside
+        trace.span("backward", ...), and unless s == 0 send its result with
+        executor.send(GRADIENT, s, m, ...).
+        """,
+        """
+        def backward_step(executor, action):
+            s, m = action.stage, action.microbatch
+            if s < executor.last_stage: grad = the GRADIENT that stage s + 1 sent for m
+            else: grad = a tensor like executor.losses[m] filled with 1 / M
+            with trace.span("backward", stage=s, microbatch=m):
+                grad_input = executor.run_backward(s, m, grad)
+            if s > 0: send grad_input as (GRADIENT, s, m)
+
+        Starting each backward from 1 instead of 1/M makes the gradients M times too large:
+        the loss of the full batch is the mean over the micro-batches.
+        """,
+    ),
+}
+# END HINTS

@@ -1,7 +1,7 @@
 """Exercise: ZeRO stages 1 and 2: shard Adam's state, then the gradients, over N_d ranks.
 
 Data parallelism keeps a whole replica of the model on each of the N_d ranks, and with it
-the whole optimizer state: for Adam in fp32, K = 8 bytes per parameter (momentum and
+the whole optimizer state: for Adam in fp32, kappa = 8 bytes per parameter (momentum and
 variance), twice the parameters themselves. Yet once the gradients are averaged, every rank
 computes the same update. ZeRO splits that work: rank r updates only its shard, 1 / N_d of
 the parameters, keeps the optimizer state of that shard alone, and the ranks then all-gather
@@ -19,7 +19,9 @@ The flat buffer (provided). The trainable parameters lie end to end in one flat 
 padded with zeros to a multiple of N_d and cut into N_d shards of ceil(Psi / N_d) elements
 (``parlab.flat.FlatLayout``). Rank r owns shard r, as ``torch.distributed.reduce_scatter``
 gives rank r chunk r: the chunk parlab's ring reduce-scatter leaves fully reduced on rank r,
-and the one the ring all-gather sends from rank r. ``layout.shard(flat, rank)`` is the view of it in ``flat``.
+and the one the ring all-gather sends from rank r. ``layout.shard(flat, rank)`` is the view
+of it in ``flat``. The names are those of ``parlab.zero.ZeroDP``, the engine the lecture
+shows: ``trainable``, ``flat_param``, ``layout``, ``shard``, ``optimizer``.
 
     opt = ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)  # rank 0's weights
     opt.zero_grad()
@@ -27,7 +29,7 @@ and the one the ring all-gather sends from rank r. ``layout.shard(flat, rank)`` 
     # stage 1: average every p.grad over the ranks (an all-reduce, as DDP does), then
     opt.step()
     # stage 2, instead: reduce-scatter the gradients, keeping this rank's shard only, then
-    opt.shard.grad = reduce_scatter_gradients(opt.params, opt.layout)
+    opt.shard.grad = reduce_scatter_gradients(opt.trainable, opt.layout)
     opt.step()
 
 Traffic. For a flat buffer of D = 4 x padded Psi bytes, a ring reduce-scatter or all-gather
@@ -36,8 +38,11 @@ reduce-scatter of the gradients plus the all-gather of the parameters sends what
 all-reduce sends: sharding costs no extra communication.
 
 Communicate only with the provided ``reduce_scatter`` and ``all_gather`` (from
-``parlab.flat``): they are traced, and the grader reads their traffic. Grade your work
-with ``python -m parlab.grade zero`` (or ``parlab.check("zero")`` in a notebook).
+``parlab.flat``): they are traced, and the grader reads their traffic.
+
+Stuck? ``parlab.hint("zero.sharded_optimizer")`` in a notebook (or ``python -m parlab.grade
+--hint zero.sharded_optimizer``) opens a hint, one level at a time. Grade your work with
+``python -m parlab.grade zero`` (or ``parlab.check("zero")`` in a notebook).
 """
 
 import torch
@@ -51,95 +56,154 @@ class ShardedOptimizer:
     the parameters, on the default process group of N_d ranks.
 
     Provided: the constructor keeps the trainable parameters of ``params`` (those with
-    ``requires_grad``) in ``self.params``, lays them out in ``self.layout`` (a
-    ``FlatLayout`` of N_d = ``self.world_size`` shards) and copies them into ``self.flat``
-    (1-D, padded), with rank 0's values on every rank. Every parameter then becomes a view
-    into ``self.flat``: whatever writes into ``self.flat`` changes the model. Last, it calls
-    ``build_optimizer`` with the optimizer's class and options.
+    ``requires_grad``) in ``self.trainable``, lays them out in ``self.layout`` (a
+    ``FlatLayout`` of N_d = ``self.world_size`` shards) and copies them into
+    ``self.flat_param`` (1-D, padded), with rank 0's values on every rank. Every parameter
+    then becomes a view into ``self.flat_param``: whatever writes into ``self.flat_param``
+    changes the model. Last, it calls ``build_optimizer`` with the optimizer's class and
+    options.
 
     You write ``build_optimizer`` and ``step``.
     """
 
     def __init__(self, params, optimizer_class, **optimizer_kwargs):
-        self.params = [p for p in params if p.requires_grad]
-        if not self.params:
+        self.trainable = [p for p in params if p.requires_grad]
+        if not self.trainable:
             raise ValueError("ShardedOptimizer got no trainable parameters (requires_grad=True): "
                              "pass model.parameters().")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.layout = FlatLayout([p.shape for p in self.params], self.world_size)
-        self.flat = self.layout.flatten([p.detach() for p in self.params])
-        dist.broadcast(self.flat, src=0)  # the replicas start from rank 0's values
-        for p, view in zip(self.params, self.layout.views(self.flat)):
+        self.layout = FlatLayout([p.shape for p in self.trainable], self.world_size)
+        self.flat_param = self.layout.flatten([p.detach() for p in self.trainable])
+        dist.broadcast(self.flat_param, src=0)  # the replicas start from rank 0's values
+        for p, view in zip(self.trainable, self.layout.views(self.flat_param)):
             p.data = view
         self.build_optimizer(optimizer_class, **optimizer_kwargs)
 
     def build_optimizer(self, optimizer_class, **optimizer_kwargs):
-        """Set ``self.shard``, a ``torch.nn.Parameter`` that is the VIEW of this rank's shard
-        of ``self.flat`` (``self.layout.shard(self.flat, self.rank)``: shard r,
-        ``self.layout.shard_numel`` elements), and ``self.optimizer``, an
-        ``optimizer_class(..., **optimizer_kwargs)`` over ``[self.shard]`` alone.
+        """Set ``self.shard``, a ``torch.nn.Parameter`` that is a VIEW of this rank's shard of
+        ``self.flat_param`` (shard r, ``self.layout.shard_numel`` elements), and
+        ``self.optimizer``, an ``optimizer_class(..., **optimizer_kwargs)`` over
+        ``[self.shard]`` alone.
 
-        A view, so that the optimizer's in-place update lands in ``self.flat``, ready to be
-        all-gathered. Over the shard alone, so that the optimizer's state (Adam's exp_avg and
-        exp_avg_sq) holds K Psi / N_d bytes on each rank, not K Psi. Adam acts on each element
-        separately, so stepping the N_d shards equals stepping the whole model.
+        A view, so that the optimizer's in-place update lands in ``self.flat_param``, ready to
+        be all-gathered. Over the shard alone, so that the optimizer's state (Adam's exp_avg
+        and exp_avg_sq) holds kappa Psi / N_d bytes on each rank, not kappa Psi. Adam acts on
+        each element separately, so stepping the N_d shards equals stepping the whole model.
         """
-        # BEGIN SOLUTION: the shard as a Parameter viewing self.flat, and the optimizer over it alone
-        self.shard = torch.nn.Parameter(self.layout.shard(self.flat, self.rank))
+        # BEGIN SOLUTION: the shard and its optimizer
+        self.shard = torch.nn.Parameter(self.layout.shard(self.flat_param, self.rank))
         self.optimizer = optimizer_class([self.shard], **optimizer_kwargs)
         # END SOLUTION
 
     def step(self):
-        """Update the whole model with one step of the optimizer, each rank doing its shard.
+        """One optimizer step of the whole model, each rank stepping its own shard only.
 
-        The gradients arrive averaged over the N_d ranks, in one of two ways:
+        The averaged gradients arrive in one of two forms:
 
-        - stage 1: every ``p.grad`` of ``self.params`` holds the averaged gradient (after an
-          all-reduce, as in DDP) and ``self.shard.grad`` is None: set ``self.shard.grad`` to
-          this rank's shard of them, laid out like ``self.flat`` (``self.layout.flatten``);
-        - stage 2: ``reduce_scatter_gradients`` has set ``self.shard.grad``: use it.
+        - stage 1: every ``p.grad`` of ``self.trainable`` holds the gradient averaged over the
+          N_d ranks (after an all-reduce, as in DDP), and ``self.shard.grad`` is None;
+        - stage 2: ``self.shard.grad`` holds this rank's shard of the averaged gradient
+          (``reduce_scatter_gradients``), and every ``p.grad`` is None.
 
-        Then ``self.optimizer.step()`` updates this rank's shard of ``self.flat`` in place,
-        and ``all_gather(self.flat, self.layout)`` (provided, traced) brings every rank's
-        updated shard to every rank, which updates the model: its parameters are views of
-        ``self.flat``. Traffic: (N_d - 1)/N_d x 4 x padded Psi bytes sent per rank.
+        Afterwards every rank's ``self.flat_param``, so its model, holds the updated values of
+        every shard. Stage 1 may keep only this rank's shard of the gradient in
+        ``self.shard.grad`` (a copy: a view would keep a full-size gradient alive).
+        Traffic: one ``all_gather``, (N_d - 1)/N_d x 4 x padded Psi bytes sent per rank.
         """
-        # BEGIN SOLUTION: the shard's gradient (stage 1), the optimizer's step, the all-gather
+        # BEGIN SOLUTION: one step of every shard
         if self.shard.grad is None:
-            flat_grad = self.layout.flatten([p.grad for p in self.params])
+            flat_grad = self.layout.flatten([p.grad for p in self.trainable])
             self.shard.grad = self.layout.shard(flat_grad, self.rank).clone()  # not the whole flat_grad
         self.optimizer.step()
-        all_gather(self.flat, self.layout)
+        all_gather(self.flat_param, self.layout)
         # END SOLUTION
 
     def zero_grad(self):
         """Drop every gradient, full and shard, before the next backward."""
-        for p in self.params:
+        for p in self.trainable:
             p.grad = None
         self.shard.grad = None
 
 
 def reduce_scatter_gradients(params, layout):
-    """ZeRO stage 2: average the gradients over the N_d ranks, keeping this rank's shard only.
+    """ZeRO stage 2: this rank's shard of the gradient averaged over the N_d ranks, and no
+    full-size gradient left behind.
 
     ``params``: the tensors ``layout`` (a ``FlatLayout``) lays out, in its order, each
-    ``p.grad`` holding this rank's gradient (of its mean loss over its shard of the batch).
+    ``p.grad`` holding this rank's gradient g_r (of its mean loss over its shard of the batch).
 
-    1. Flatten the gradients into a padded flat buffer (``layout.flatten``).
-    2. ``reduce_scatter(flat, layout, rank)`` (provided, traced) averages it over the ranks
-       and returns the view of this rank's shard: g[start:end] = (1 / N_d) sum_r g_r[start:end],
-       the only part of the average this rank's optimizer reads.
-    3. Keep a copy of that shard (a view would keep the whole flat buffer alive) and drop the
-       full gradients: set every ``p.grad`` to None.
+    Returns shard r of the padded flat average, g[start:end] = (1 / N_d) sum_k g_k[start:end]
+    with (start, end) = ``layout.shard_bounds(r)``: ``layout.shard_numel`` elements, padding
+    included, for ``ShardedOptimizer.shard.grad``. Afterwards every ``p.grad`` is None and the
+    returned tensor does not keep a full-size buffer alive: this rank holds 4 Psi / N_d bytes
+    of gradient, not 4 Psi.
 
-    Returns the gradient shard, ``layout.shard_numel`` elements (padding included), for
-    ``ShardedOptimizer.shard.grad``. After it this rank holds 4 Psi / N_d bytes of gradient,
-    not 4 Psi; each rank sent (N_d - 1)/N_d x 4 x padded Psi bytes, half an all-reduce.
+    Communicate with the provided ``reduce_scatter(flat, layout, rank)`` (traced; it averages
+    a padded flat buffer over the ranks and returns the view of this rank's shard). Traffic:
+    (N_d - 1)/N_d x 4 x padded Psi bytes per rank, half an all-reduce.
     """
-    # BEGIN SOLUTION: flatten, reduce-scatter, copy the own shard, drop the full gradients
+    # BEGIN SOLUTION: the averaged shard
     flat_grad = layout.flatten([p.grad for p in params])
     shard = reduce_scatter(flat_grad, layout, dist.get_rank()).clone()
     for p in params:
         p.grad = None
     return shard
     # END SOLUTION
+
+
+# BEGIN HINTS
+HINTS = {
+    "sharded_optimizer": (
+        """
+        The optimizer must see one tensor only, this rank's shard of self.flat_param, and it
+        must be a view into self.flat_param: then the optimizer's in-place update already
+        sits in the buffer the model reads. What is left for step() after the optimizer has
+        run on every rank?
+        """,
+        """
+        build_optimizer: self.shard is torch.nn.Parameter(self.layout.shard(self.flat_param,
+        self.rank)); self.optimizer is optimizer_class over the list [self.shard], with the
+        options given.
+
+        step: if self.shard.grad is None (stage 1), lay the p.grad of self.trainable out
+        like the parameters (self.layout.flatten) and give self.shard.grad this rank's
+        shard of it, cloned. Then self.optimizer.step() updates this rank's shard in place,
+        and all_gather(self.flat_param, self.layout) brings every rank's updated shard to
+        every rank.
+        """,
+        """
+        def step(self):
+            if self.shard.grad is None:
+                flat_grad = self.layout.flatten(the p.grad of self.trainable)
+                self.shard.grad = this rank's shard of flat_grad, cloned
+            self.optimizer.step()
+            all_gather(self.flat_param, self.layout)
+
+        An optimizer built over all of self.trainable gives the right numbers and N_d times
+        the optimizer state; stepping a copy of the shard instead of a view changes nothing
+        in the model.
+        """,
+    ),
+    "reduce_scatter_gradients": (
+        """
+        reduce_scatter works on a padded flat buffer laid out like the parameters, and hands
+        back a view into it. What must the function return so that the full buffer can go?
+        """,
+        """
+        Lay the gradients out in one padded flat buffer (layout.flatten of the p.grad), then
+        reduce_scatter(flat, layout, rank) averages it over the ranks and returns the view of
+        this rank's shard. Keep a copy of that view (clone), set every p.grad to None, and
+        return the copy.
+        """,
+        """
+        flat_grad = layout.flatten([p.grad for p in params])
+        shard = reduce_scatter(flat_grad, layout, this rank).clone()
+        set every p.grad to None
+        return shard
+
+        Returning the view keeps the whole flat gradient alive; all-reducing and then cutting
+        the shard gives the right numbers for twice the traffic.
+        """,
+    ),
+}
+# END HINTS

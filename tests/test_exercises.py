@@ -138,6 +138,108 @@ def test_generate_replaces_each_block_with_a_stub_at_its_indentation():
     )
 
 
+# --- Hints: stored with the solution, opened one level at a time, never in the exercise ---
+
+
+def graded_tasks(root):
+    """Every "topic.task" of the grading tests, read from their task marks."""
+    return sorted(f"{topic}.{task}" for topic in grade.grading_topics(root)
+                  for task in re.findall(r'@pytest\.mark\.task\("(\w+)"\)',
+                                         (root / "tests" / "grading" / f"test_{topic}.py").read_text()))
+
+
+def test_every_graded_task_has_three_levels_of_hints():
+    assert exercises.hint_tasks() == graded_tasks(exercises.ROOT)
+    for topic in exercises.topics():
+        for task, levels in exercises.hints(topic).items():
+            assert len(levels) == len(exercises.HINT_LEVELS) and len(set(levels)) == len(levels), task
+
+
+def test_the_generated_exercises_hold_no_hint_text():
+    # Before, the docstrings spelled the algorithm out line by line; the help now lives in
+    # the solution's HINTS block, which generation drops.
+    for topic in exercises.topics():
+        exercise = exercises.fresh(topic)
+        assert "HINTS" not in exercise and "BEGIN" not in exercise, topic
+        for task, levels in exercises.hints(topic).items():
+            for text in levels:
+                for line in (line.strip() for line in text.splitlines()):
+                    if len(line) > 30 and not line.startswith("def "):  # a hint's own line, not a signature
+                        assert line not in exercise, (topic, task, line)
+    assert exercises.generate(SOLUTION + "\n\n" + HINTS_BLOCK, "topic") == exercises.generate(SOLUTION, "topic")
+
+
+HINTS_BLOCK = textwrap.dedent(
+    '''\
+    # BEGIN HINTS
+    HINTS = {"double": ("a nudge", "the plan", "the sketch")}
+    # END HINTS
+    '''
+)
+
+
+def test_hint_prints_the_levels_in_order_then_repeats_the_last(capsys, monkeypatch):
+    monkeypatch.setattr(exercises, "_opened", {})
+    task = "collectives.ring_all_gather"
+    levels = exercises.hints("collectives")["ring_all_gather"]
+    printed = []
+    for _ in range(4):
+        exercises.hint(task)
+        printed.append(capsys.readouterr().out)
+    for number, (out, text) in enumerate(zip(printed, [*levels, levels[-1]]), start=1):
+        level = min(number, 3)
+        assert out.startswith(f"{task}, hint {level} of 3 ({exercises.HINT_LEVELS[level - 1]}):\n"), out
+        assert text.splitlines()[0] in out and sum(other.splitlines()[0] in out for other in levels) == 1, out
+    assert f'parlab.hint("{task}") again opens hint 2 (the plan)' in printed[0]
+    assert "That was the last hint" in printed[2]
+    exercises.hint(task, level=1)  # re-read a level on purpose
+    assert f"{task}, hint 1 of 3" in capsys.readouterr().out
+
+
+def test_unknown_tasks_and_levels_are_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"there is no task 'collectives\.ring'; the tasks are: "
+                                         r"collectives\.ring_all_gather, .*zero\.sharded_optimizer\."):
+        exercises.hint("collectives.ring")
+    with pytest.raises(ValueError, match="there is no task 'nope.task'"):
+        exercises.hint("nope.task")
+    with pytest.raises(ValueError, match=r"level must be 1 to 3, got 4: hints go from 1 \(a nudge\)"):
+        exercises.hint("ddp.assign_buckets", level=4)
+
+
+def test_a_hints_block_left_open_or_malformed_says_where(tmp_path):
+    with pytest.raises(ValueError, match="line 1: BEGIN HINTS is never closed"):
+        exercises.generate("# BEGIN HINTS\nHINTS = {}\n", "topic")
+    (tmp_path / "solutions").mkdir()
+    (tmp_path / "solutions" / "topic.py").write_text(SOLUTION + HINTS_BLOCK.replace('"the sketch"', ""))
+    with pytest.raises(ValueError, match="solutions/topic.py: HINTS maps each task to 3 texts"):
+        exercises.hints("topic", root=tmp_path)
+
+
+def test_the_terminal_prints_one_level_and_the_command_for_the_next(capsys):
+    assert grade.main(["collectives", "--hint", "ring_allreduce", "--level", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("collectives.ring_allreduce, hint 2 of 3 (the plan):\n")
+    assert out.endswith("Next, a sketch close to the solution: python -m parlab.grade --hint "
+                        "collectives.ring_allreduce --level 3\n")
+    assert grade.main(["--hint", "collectives.nope"]) == 2
+    assert "the tasks are: collectives.ring_all_gather" in capsys.readouterr().err
+
+
+def test_each_reason_of_a_failed_task_ends_with_where_its_hints_are():
+    results = [
+        {"test": "test_a", "task": "collectives.ring_allreduce", "points": 1, "passed": False, "reason": "wrong"},
+        {"test": "test_b", "task": "collectives.ring_allreduce", "points": 1, "passed": True, "reason": None},
+        {"test": "test_c", "task": "ddp.assign_buckets", "points": 1, "passed": False, "reason": "off by one"},
+    ]
+    table = grade.format_table(results, "all topics", "exercises", grade.NOTEBOOK_HINT)
+    assert '    test_a: wrong [hint: parlab.hint("collectives.ring_allreduce")]\n' in table
+    assert '    test_c: off by one [hint: parlab.hint("ddp.assign_buckets")]\n' in table
+    shared = [dict(test, passed=False, reason="no file") for test in results]
+    table = grade.format_table(shared, "all topics", "exercises", grade.TERMINAL_HINT)
+    assert "every test: no file [hints: python -m parlab.grade --hint TASK, TASK a task below]\n" in table
+    assert "hint" not in grade.format_table(results, "all topics", "exercises")  # no pointer asked for
+
+
 @pytest.mark.parametrize(
     "source, line, problem",
     [
@@ -366,7 +468,8 @@ def test_one_task_is_graded_alone_and_a_broken_file_says_why_once(tmp_path, caps
     assert score == grade.Score(0, 5)
     assert "collectives.ring_allreduce" in table and "ring_reduce_scatter" not in table
     assert table.count("could not be imported") == 1, table
-    assert f"every test: {path}, line 1, could not be imported: SyntaxError: expected ':'\n" in table
+    assert (f"every test: {path}, line 1, could not be imported: SyntaxError: expected ':' "
+            '[hint: parlab.hint("collectives.ring_allreduce")]\n') in table
     with pytest.raises(ValueError, match="no task 'collectives.ring'; the tasks are: collectives.ring_all_gather, "):
         grade.check("collectives.ring", impl=tmp_path)
 
@@ -377,7 +480,7 @@ def test_zero_full_optimizer_state_and_an_all_reduce_lose_exactly_their_points(t
     # step at stage 2, where only the shard has a gradient), and the gradients all-reduced
     # before the shard is taken (right shard, twice the traffic).
     failed = graded_with_mistakes("zero", {
-        "optimizer_class([self.shard], **optimizer_kwargs)": "optimizer_class(self.params, **optimizer_kwargs)",
+        "optimizer_class([self.shard], **optimizer_kwargs)": "optimizer_class(self.trainable, **optimizer_kwargs)",
         "reduce_scatter(flat_grad, layout, dist.get_rank())": (
             "layout.shard(ring_allreduce(flat_grad, op='avg', check=False), dist.get_rank())"
         ),

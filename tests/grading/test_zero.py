@@ -87,7 +87,7 @@ class TestShardedOptimizer:
         timeline = run_sharded(cluster4, impl, 1, traced=True)
         formula = "(N_d - 1)/N_d x 4 x padded Psi, one all-gather of the parameters"
         check_bytes_sent(timeline, "step", ring_bytes(4), formula, {
-            0: "nothing was traced; all-gather self.flat with the provided all_gather",
+            0: "nothing was traced; all-gather self.flat_param with the provided all_gather",
             2 * ring_bytes(4): "an all-reduce's worth; every rank's own shard is already up to date, all_gather the "
                                "rest",
         })
@@ -349,13 +349,13 @@ def check_training(per_rank, world_size, stage=1):
             if torch.equal(got, old):
                 why = (
                     "no parameter changed in step(): the optimizer must step self.shard, the view "
-                    "self.layout.shard(self.flat, self.rank) (shard r, the one all_gather sends from rank r), in "
+                    "self.layout.shard(self.flat_param, self.rank) (shard r, the one all_gather sends from rank r), in "
                     "place before the all-gather"
                 )
                 if stage == 2:
                     why += "; at stage 2 only self.shard.grad holds a gradient, every p.grad is None"
             elif close(got[own], want[own], band) and torch.equal(got[elsewhere], old[elsewhere]):
-                why = "only this rank's own shard was updated: all-gather self.flat after the optimizer's step"
+                why = "only this rank's own shard was updated: all-gather self.flat_param after the optimizer's step"
             else:
                 name = next(name for name in expected if not close(after[name], expected[name], band))
                 worst = max_abs_difference(after[name], expected[name])
