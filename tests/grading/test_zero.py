@@ -40,7 +40,7 @@ IMPORT_TIMEOUT_S = 60
 WORLD_SIZES = [2, 4]
 IN, HIDDEN, OUT, BATCH, STEPS, LR = 8, 64, 5, 24, 5, 1e-2
 PSI = IN * HIDDEN + HIDDEN + HIDDEN * OUT + OUT  # 901
-K_ADAM, FP32 = 8, 4  # bytes per parameter: Adam's exp_avg and exp_avg_sq; an fp32 gradient
+KAPPA_ADAM, FP32 = 8, 4  # bytes per parameter: Adam's exp_avg and exp_avg_sq (kappa); an fp32 gradient
 MEMORY_TOLERANCE = 0.02  # Adam's step counters and the padding: under 1% here
 SEND_OPS = ("send", "isend")
 
@@ -67,12 +67,12 @@ class TestShardedOptimizer:
     def test_holds_one_shard_of_the_optimizer_state(self, cluster, impl):
         N = cluster.world_size
         per_rank = run_sharded(cluster, impl, 1)
-        expected = K_ADAM * PSI / N
+        expected = KAPPA_ADAM * PSI / N
         for rank, record in enumerate(per_rank):
             held = record["optimizer_state_bytes"]
             if abs(held - expected) <= MEMORY_TOLERANCE * expected:
                 continue
-            if held >= (1 - MEMORY_TOLERANCE) * K_ADAM * PSI:
+            if held >= (1 - MEMORY_TOLERANCE) * KAPPA_ADAM * PSI:
                 assert False, (
                     f"{N} ranks: rank {rank} holds the full optimizer state ({held} bytes, expected about "
                     f"{expected:g} = 8 Psi / N_d): build the optimizer over this rank's shard only"
