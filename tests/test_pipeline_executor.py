@@ -177,6 +177,21 @@ def test_the_trace_holds_exactly_the_schedules_messages_and_spans(cluster2):
         assert len(timeline.select(rank=rank, name="isend")) == 4
 
 
+@pytest.mark.timeout(60)
+def test_sleep_stages_send_messages_of_the_activation_bytes_asked_for(cluster2):
+    """An emulated link charges alpha + n beta per message, so the bubble bench and the
+    lecture choose n: each of the M activations and M gradients is one message of
+    ``activation_bytes``."""
+    timeline = cluster2.trace(sleep_pipeline_step, one_f_one_b(2, 3), 0.0, 0.0, activation_bytes=4096, timeout=30)
+    for rank in range(2):
+        sends = [ev.nbytes for ev in timeline.select(rank=rank, kind=trace.COMM) if ev.name == "isend"]
+        assert sends == [4096] * 3  # rank 0: 3 activations; rank 1: 3 gradients
+    with pytest.raises(ValueError, match="a multiple of 4 .*use 8"):
+        sleep_pipeline_step(gpipe(1, 2), 0.0, 0.0, activation_bytes=6)
+    with pytest.raises(ValueError, match="activation_bytes .* must be a whole number >= 1"):
+        sleep_pipeline_step(gpipe(1, 2), 0.0, 0.0, activation_bytes=0)
+
+
 def torch_and_parlab_gradients(schedule_name, M):
     """The MLP's gradients after one step of torch's ScheduleGPipe / Schedule1F1B and after
     one step of parlab's executor, on this rank's stage."""

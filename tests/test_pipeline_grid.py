@@ -1,9 +1,9 @@
-"""parlab.pipeline.grid on 4 real ranks: D = 2 pipelines of K = 2 ranks (GPipe, 1F1B, and
-interleaved 1F1B with two stages per rank; also D = 4, K = 1 and D = 1, K = 4) give every
+"""parlab.pipeline.grid on 4 real ranks: N_d = 2 pipelines of K = 2 ranks (GPipe, 1F1B, and
+interleaved 1F1B with two stages per rank; also N_d = 4, K = 1 and N_d = 1, K = 4) give every
 rank the one-process full-batch gradient of its layers and the same parameters after 3 SGD
 steps, even when the replicas start from different weights; the trace shows p2p only
 inside a pipeline and the all-reduce only inside a data-parallel group, with exactly the
-ring's bytes; a world that is not D x K and a batch that does not split raise ValueError."""
+ring's bytes; a world that is not N_d x K and a batch that does not split raise ValueError."""
 
 import functools
 import math
@@ -21,12 +21,12 @@ from parlab.pipeline.executor import PipelineExecutor
 from parlab.pipeline.grid import PipelineDataParallel, rank_grid
 
 IN, HIDDEN, OUT = 5, 12, 3
-BATCH, M, STEPS, LR = 48, 4, 3, 0.1  # D = 1, 2, 4 shards of 48, 24, 12 samples; micro-batches of 12, 6, 3
+BATCH, M, STEPS, LR = 48, 4, 3, 0.1  # N_d = 1, 2, 4 shards of 48, 24, 12 samples; micro-batches of 12, 6, 3
 
 
 def build_mlp(seed=0):
     """423 parameters; cut in two: stage 0 holds 228 (even), stage 1 holds 195 (odd: the
-    flat buffer gets one element of padding for D = 2)."""
+    flat buffer gets one element of padding for N_d = 2)."""
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN), nn.ReLU(),
                          nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT))
@@ -40,7 +40,7 @@ def full_batch():
 @functools.cache
 def reference(pieces=1, order=None):
     """One process on the full batch: (gradients of step 1, parameters after STEPS steps).
-    With ``pieces`` > 1 the grid's arithmetic (parlab.numerics): the batch in D x M
+    With ``pieces`` > 1 the grid's arithmetic (parlab.numerics): the batch in N_d x M
     micro-batches, their gradients summed in ``order``, divided by their number."""
     model = build_mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
@@ -65,20 +65,20 @@ def assert_like_one_process(actual, which, pieces, label):
     assert_equivalent(actual, {n: expected[n] for n in actual}, decomposed, label)
 
 
-def grid_model(name, D, K, v=1):
+def grid_model(name, N_d, K, v=1):
     """This rank's (PipelineDataParallel, its parameters by model name). Replica d > 0
     starts from other weights: the grid must copy pipeline 0's."""
     schedule = make_schedule(name, K, M, v)
     model = build_mlp(seed=dist.get_rank() // K * 100)
     stages = partition(model, K * v)
     mine = {s: stages[s] for s in schedule.stages_of(dist.get_rank() % K)}
-    grid = PipelineDataParallel(schedule, mine, F.mse_loss, D)
+    grid = PipelineDataParallel(schedule, mine, F.mse_loss, N_d)
     held = {id(p) for stage in mine.values() for p in stage.parameters()}
     return grid, {n: p for n, p in model.named_parameters() if id(p) in held}
 
 
-def train_on_grid(name, D, K, v):
-    grid, named = grid_model(name, D, K, v)
+def train_on_grid(name, N_d, K, v):
+    grid, named = grid_model(name, N_d, K, v)
     optimizer = torch.optim.SGD(named.values(), lr=LR)
     for step in range(STEPS):
         optimizer.zero_grad()
@@ -90,22 +90,22 @@ def train_on_grid(name, D, K, v):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("name, D, K, v", [("gpipe", 2, 2, 1), ("1f1b", 2, 2, 1), ("interleaved_1f1b", 2, 2, 2),
+@pytest.mark.parametrize("name, N_d, K, v", [("gpipe", 2, 2, 1), ("1f1b", 2, 2, 1), ("interleaved_1f1b", 2, 2, 2),
                                            ("gpipe", 4, 1, 1), ("1f1b", 1, 4, 1)])
-def test_every_rank_trains_like_one_process_on_the_full_batch(name, D, K, v, cluster4):
+def test_every_rank_trains_like_one_process_on_the_full_batch(name, N_d, K, v, cluster4):
     expected_grads, expected_params = reference()
-    per_rank = cluster4.run(train_on_grid, name, D, K, v, timeout=60)
-    for row in rank_grid(D, K):  # each pipeline holds every parameter exactly once
+    per_rank = cluster4.run(train_on_grid, name, N_d, K, v, timeout=60)
+    for row in rank_grid(N_d, K):  # each pipeline holds every parameter exactly once
         held = [n for rank in row for n in per_rank[rank][0]]
         assert sorted(held) == sorted(expected_grads)
     model, (x, y) = build_mlp(), full_batch()
     for rank, (grads, params, losses) in enumerate(per_rank):
-        assert_like_one_process(grads, 0, D * M, f"rank {rank}: gradients")
-        assert_like_one_process(params, 1, D * M, f"rank {rank}: parameters after {STEPS} steps")
+        assert_like_one_process(grads, 0, N_d * M, f"rank {rank}: gradients")
+        assert_like_one_process(params, 1, N_d * M, f"rank {rank}: parameters after {STEPS} steps")
         d, r = divmod(rank, K)
         if r == K - 1:  # the losses of replica d's own micro-batches
-            shard = slice(d * BATCH // D, (d + 1) * BATCH // D)
-            size = BATCH // D // M
+            shard = slice(d * BATCH // N_d, (d + 1) * BATCH // N_d)
+            size = BATCH // N_d // M
             expected = [F.mse_loss(model(xm), ym) for xm, ym in zip(x[shard].split(size), y[shard].split(size))]
             assert_equivalent(losses, expected, [], f"rank {rank}: losses")  # the same forward: only the floor
         else:
@@ -119,18 +119,18 @@ def traced_grid_step():
 
 @pytest.mark.timeout(120)
 def test_p2p_stays_in_a_pipeline_and_the_all_reduce_in_a_data_parallel_group(cluster4):
-    D, K = 2, 2
+    N_d, K = 2, 2
     timeline = cluster4.trace(traced_grid_step, timeout=60)
     stage_numel = [sum(p.numel() for p in stage.parameters()) for stage in partition(build_mlp(), K)]
-    padded = [math.ceil(n / D) * D for n in stage_numel]
+    padded = [math.ceil(n / N_d) * N_d for n in stage_numel]
     assert stage_numel == [228, 195] and padded == [228, 196]  # stage 1's buffer is padded
-    activation_bytes = M * (BATCH // D // M) * HIDDEN * 4  # M messages of a micro-batch of HIDDEN features
-    rows, columns = rank_grid(D, K), [list(column) for column in zip(*rank_grid(D, K))]
-    for rank in range(D * K):
+    activation_bytes = M * (BATCH // N_d // M) * HIDDEN * 4  # M messages of a micro-batch of HIDDEN features
+    rows, columns = rank_grid(N_d, K), [list(column) for column in zip(*rank_grid(N_d, K))]
+    for rank in range(N_d * K):
         d, r = divmod(rank, K)
         (span,) = timeline.select(rank=rank, name="all-reduce")
         assert span.stage == r
-        ring_bytes = 2 * (D - 1) * padded[r] * 4 // D
+        ring_bytes = 2 * (N_d - 1) * padded[r] * 4 // N_d
         for ops in (("send", "isend"), ("recv", "irecv")):
             events = [ev for ev in timeline.select(rank=rank, kind=trace.COMM) if ev.name in ops]
             inside = [ev for ev in events if span.start <= ev.start <= span.end]
@@ -160,12 +160,12 @@ def learner_mistakes():
 
 
 @pytest.mark.timeout(120)
-def test_a_world_that_is_not_d_times_k_and_a_batch_that_does_not_split_raise(cluster4):
+def test_a_world_that_is_not_n_d_times_k_and_a_batch_that_does_not_split_raise(cluster4):
     for world_error, batch_error in cluster4.run(learner_mistakes, timeout=60):
-        assert "D = 3 pipelines of K = 2 ranks needs D x K ranks, but 4 are running" in world_error
-        assert "choose D and K with D x K = 4" in world_error
-        assert "a batch of 20 samples does not split into D = 2 shards" in batch_error
-        assert "multiple of D x M = 8" in batch_error
+        assert "N_d = 3 pipelines of K = 2 ranks needs N_d x K ranks, but 4 are running" in world_error
+        assert "choose N_d and K with N_d x K = 4" in world_error
+        assert "a batch of 20 samples does not split into N_d = 2 shards" in batch_error
+        assert "multiple of N_d x M = 8" in batch_error
 
 
 def test_rank_grid_rows_are_pipelines_and_the_executor_checks_its_ranks():

@@ -9,6 +9,7 @@ import matplotlib
 import pytest
 
 from parlab.pipeline import (
+    action_makespan,
     bubble_formula,
     bubble_fraction,
     bubble_ratio_playbook,
@@ -139,8 +140,26 @@ def test_bubble_fraction_of_a_measured_timeline_counts_compute_only():
               (1, COMPUTE, "backward", 3 * s, 5 * s, None, 0, 1, 0),
               (0, COMM, "send", 0, 6 * s, 1, 64, None, None)]
     assert bubble_fraction(Timeline(events, 2)) == pytest.approx(1 - 5 / 8, abs=1e-12)
-    with pytest.raises(ValueError, match="no compute spans"):
+    assert action_makespan(Timeline(events, 2)) == pytest.approx(4, abs=1e-12)
+    with pytest.raises(ValueError, match="no forward, backward or weight spans"):
         bubble_fraction(Timeline(events[-1:], 2))
+
+
+def test_a_step_span_around_the_actions_is_not_work():
+    # A caller marks its steps with trace.span("step") (for Timeline.window); the span
+    # covers the actions and the idle time between them, so counted as work it would make
+    # every rank busy all the time. Same timeline as above, plus a step span per rank.
+    s = 10**9
+    events = [(0, COMPUTE, "forward", 1 * s, 2 * s, None, 0, 0, 0),
+              (0, COMPUTE, "backward", 4 * s, 5 * s, None, 0, 0, 0),
+              (1, COMPUTE, "forward", 2 * s, 3 * s, None, 0, 1, 0),
+              (1, COMPUTE, "backward", 3 * s, 5 * s, None, 0, 1, 0),
+              (0, COMPUTE, "step", 0, 6 * s, None, 0, None, None),
+              (1, COMPUTE, "step", 0, 6 * s, None, 0, None, None)]
+    timeline = Timeline(events, 2)
+    assert bubble_fraction(timeline) == pytest.approx(1 - 5 / 8, abs=1e-12)
+    assert action_makespan(timeline) == pytest.approx(4, abs=1e-12)
+    assert bubble_fraction(timeline.window()) == pytest.approx(1 - 5 / 8, abs=1e-12)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -6,7 +6,7 @@ M micro-batches flow through them in an order that a schedule fixes.
     simulate.py   the timed simulator, the bubble of a timeline and its closed forms
     stages.py     cutting a model into stages (partition) and a layer that only sleeps
     executor.py   running a schedule on real ranks (PipelineExecutor, sleep_pipeline_step)
-    grid.py       D pipelines side by side, each stage data-parallel (PipelineDataParallel)
+    grid.py       N_d pipelines side by side, each stage data-parallel (PipelineDataParallel)
 
     from parlab.pipeline import one_f_one_b, simulate
     simulate(one_f_one_b(4, 8), t_f=1, t_b=2).bubble_fraction      # 3 / 11
@@ -30,6 +30,7 @@ from parlab.pipeline.schedule import (
 )
 from parlab.pipeline.simulate import (
     Simulation,
+    action_makespan,
     bubble_formula,
     bubble_fraction,
     bubble_ratio_playbook,
@@ -56,6 +57,6 @@ def __getattr__(name):
 __all__ = [
     "SCHEDULES", "Action", "Schedule", "dependencies", "dependency_order", "gpipe", "interleaved_1f1b",
     "make_schedule", "naive", "one_f_one_b", "validate", "zero_bubble_h1",
-    "Simulation", "bubble_formula", "bubble_fraction", "bubble_ratio_playbook", "simulate",
+    "Simulation", "action_makespan", "bubble_formula", "bubble_fraction", "bubble_ratio_playbook", "simulate",
     *_WITH_TORCH,
 ]

@@ -39,7 +39,7 @@ rank hand tensors over in memory.
 
 Ranks: by default the schedule's rank r is global rank r and the world is the K ranks.
 ``ranks=`` runs the schedule on any K global ranks instead, schedule rank r on global rank
-``ranks[r]`` (``parlab.pipeline.grid`` runs D pipelines side by side this way): only the
+``ranks[r]`` (``parlab.pipeline.grid`` runs N_d pipelines side by side this way): only the
 addresses of the messages change. Tags stay per (kind, stage, m): pipelines that run at the
 same time use disjoint ranks, so their messages cannot meet.
 
@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 
 from parlab import p2p, runtime, trace
+from parlab._checks import whole_number
 from parlab.emulated import SleepLayer
 from parlab.pipeline.activations import ActivationMeter
 from parlab.pipeline.schedule import Schedule
@@ -339,18 +340,27 @@ def _restored_rng(state, device):
         yield
 
 
-def sleep_pipeline_step(schedule, t_f, t_b, t_w=0.0):
+def sleep_pipeline_step(schedule, t_f, t_b, t_w=0.0, activation_bytes=4):
     """Run one step of ``schedule`` on this rank with stages that only sleep (a
     ``SleepLayer`` each: t_f in F, t_b in B, t_w in W), so that a traced step shows the
-    schedule's timeline with these per-stage times; micro-batches of one number. Call it
-    on every rank, e.g. ``cluster.trace(sleep_pipeline_step, schedule, 0.02, 0.02)``.
-    Returns what ``PipelineExecutor.step`` returns."""
+    schedule's timeline with these per-stage times. Each micro-batch is one sample of
+    ``activation_bytes`` bytes (fp32, so a multiple of 4): every activation and every
+    gradient between stages is a message of that size, which an emulated link charges
+    alpha + activation_bytes beta. Call it on every rank, e.g.
+    ``cluster.trace(sleep_pipeline_step, schedule, 0.02, 0.02)``. Returns what
+    ``PipelineExecutor.step`` returns."""
     if t_w and not schedule.has_weight_actions:
         raise ValueError(f"{schedule.name} has no W actions, so its B is the whole backward: add the weight-gradient "
                          f"time to t_b and leave t_w = 0.")
+    whole_number("activation_bytes (the bytes of one micro-batch's activation)", activation_bytes,
+                 "give the size of a message between stages in bytes, a multiple of 4 (fp32), e.g. 4096.")
+    if activation_bytes % 4:
+        raise ValueError(f"activation_bytes must be a multiple of 4 (the activations are fp32), got "
+                         f"{activation_bytes}: use {4 * (activation_bytes // 4 + 1)}.")
     rank = dist.get_rank() if dist.is_initialized() else 0
     stages = {s: SleepLayer(t_f, t_b, t_w) for s in schedule.stages_of(rank)}
-    M, device = schedule.num_microbatches, runtime.device()
+    M, device, features = schedule.num_microbatches, runtime.device(), activation_bytes // 4
     executor = PipelineExecutor(schedule, stages, torch.nn.functional.mse_loss)
     # the input requires grad so that stage 0's B takes t_b like every other stage's
-    return executor.step(torch.zeros(M, 1, device=device, requires_grad=True), torch.zeros(M, 1, device=device))
+    return executor.step(torch.zeros(M, features, device=device, requires_grad=True),
+                         torch.zeros(M, features, device=device))

@@ -2,7 +2,8 @@
 of any timeline, simulated or measured.
 
     simulate(schedule, t_f, t_b, t_w, t_comm)   start and end of every action; a Timeline
-    bubble_fraction(timeline)                   idle fraction of a Timeline's compute
+    bubble_fraction(timeline)                   idle fraction of a Timeline's actions
+    action_makespan(timeline)                   the step time of a traced step
     bubble_formula(K, M, v)                     (K - 1) / (v M + K - 1)   (the lecture's form)
     bubble_ratio_playbook(K, M, v)              (K - 1) / (v M)           (Ultra-Scale Playbook)
 
@@ -97,17 +98,34 @@ def simulate(schedule, t_f=1.0, t_b=2.0, t_w=0, t_comm=0):
 
 
 def bubble_fraction(timeline):
-    """The bubble of any ``parlab.trace.Timeline`` (simulated or measured), from its COMPUTE
-    events only: 1 - (sum over the K ranks of their busy time) / (K x makespan), the
-    makespan running from the first compute start to the last compute end on any rank."""
+    """The bubble of any ``parlab.trace.Timeline`` (simulated or measured), from the spans of
+    the schedule's actions only (compute events named forward, backward or weight: a span
+    such as "step" around them is not work): 1 - (sum over the K ranks of their busy time)
+    / (K x makespan), the makespan running from the first action's start to the last
+    action's end on any rank (``action_makespan``)."""
+    spans = action_spans(timeline)
+    busy = [sum(ev.duration for ev in spans if ev.rank == r) for r in range(timeline.world_size)]
+    return idle_fraction(busy, action_makespan(timeline))
+
+
+def action_makespan(timeline):
+    """Seconds from the first action's start to the last action's end, on any rank: the
+    step time of a traced pipeline step (a Simulation's ``step_time`` when simulated)."""
+    spans = action_spans(timeline)
+    return max(ev.end for ev in spans) - min(ev.start for ev in spans)
+
+
+def action_spans(timeline):
+    """The COMPUTE events of ``timeline`` that are actions of a schedule (forward, backward,
+    weight), in start order."""
     if not isinstance(timeline, Timeline):
         raise ValueError(f"bubble_fraction reads a parlab.trace.Timeline, got {type(timeline).__name__}: pass what "
                          "cluster.trace(...) returns, or a Simulation's .timeline.")
-    spans = timeline.select(kind=COMPUTE)
+    spans = [ev for ev in timeline.select(kind=COMPUTE) if ev.name in EVENT_NAMES.values()]
     if not spans:
-        raise ValueError("the timeline has no compute spans: trace a pipeline step that marks forward/backward.")
-    busy = [sum(ev.duration for ev in spans if ev.rank == r) for r in range(timeline.world_size)]
-    return idle_fraction(busy, max(ev.end for ev in spans) - min(ev.start for ev in spans))
+        raise ValueError("the timeline has no forward, backward or weight spans: trace a pipeline step, which marks "
+                         "them.")
+    return spans
 
 
 def idle_fraction(busy, makespan):
