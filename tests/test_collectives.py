@@ -200,6 +200,16 @@ def test_the_consistency_check_costs_N_minus_1_small_messages(cluster4):
     assert [len(sends(checked, r)) for r in range(N)] == [3 * (N - 1)] * N
 
 
+@pytest.mark.timeout(10)
+def test_chunk_bounds_cut_as_tensor_split_does():
+    assert collectives.chunk_bounds(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    for numel, N in [(0, 3), (2, 4), (1003, 8)]:
+        ends = torch.tensor([t.numel() for t in torch.arange(numel).tensor_split(N)]).cumsum(0).tolist()
+        assert collectives.chunk_bounds(numel, N) == list(zip([0, *ends[:-1]], ends)), (numel, N)
+    with pytest.raises(ValueError, match=r"N \(the number of chunks\) must be a whole number >= 1, got 0"):
+        collectives.chunk_bounds(10, 0)
+
+
 # --- the ring's schedule as data ------------------------------------------------------------
 
 
