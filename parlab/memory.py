@@ -1,29 +1,31 @@
 """Training memory: what the ZeRO paper predicts each data-parallel rank holds, what a rank
 really holds (measured from its tensors' storages), and the activations of a transformer.
 
-    model_state_bytes(psi, stage, n_d, k, param_bytes, grad_bytes)  ZeRO paper, per device
+    model_state_bytes(psi, stage, n_d, kappa, param_bytes, grad_bytes)  ZeRO paper, per device
     communication_volume(psi, stage), ring_traffic_bytes(...)       elements and bytes moved
+    ring_communication_seconds(...)                                  their alpha-beta time
     deepspeed_zero2_estimate(...), deepspeed_zero3_estimate(...)    DeepSpeed's estimators
     transformer_activation_bytes(s, b, h, a, layers, recompute)     Korthikanti et al. 2022
     storage_bytes(tensors), measure_model_state(params, grads, opt) measured on this rank
     fits(state, device_bytes)                                       does it fit on one device?
 
 Model states, per parameter, in mixed-precision Adam: 2 bytes of 16-bit parameters, 2 bytes
-of 16-bit gradients and K = 12 bytes of optimizer state (fp32 master parameters, momentum
-and variance, 4 bytes each). With Psi parameters on N_d data-parallel ranks, ZeRO shards
-more of them at each stage (bytes per device):
+of 16-bit gradients and kappa = 12 bytes of optimizer state (fp32 master parameters,
+momentum and variance, 4 bytes each; the ZeRO paper writes K for kappa, and K counts
+pipeline stages in this course). With Psi parameters on N_d data-parallel ranks, ZeRO
+shards more of them at each stage (bytes per device):
 
-    stage 0  baseline data parallelism   (2 + 2 + K) Psi
-    stage 1  P_os                        2 Psi + 2 Psi + K Psi / N_d
-    stage 2  P_os+g                      2 Psi + (2 + K) Psi / N_d
-    stage 3  P_os+g+p                    (2 + 2 + K) Psi / N_d
+    stage 0  baseline data parallelism   (2 + 2 + kappa) Psi
+    stage 1  P_os                        2 Psi + 2 Psi + kappa Psi / N_d
+    stage 2  P_os+g                      2 Psi + (2 + kappa) Psi / N_d
+    stage 3  P_os+g+p                    (2 + 2 + kappa) Psi / N_d
 
 7.5B parameters on N_d = 64: 120, 31.4, 16.6 and 1.9 GB (GB = 1e9 bytes).
 """
 
 from typing import NamedTuple
 
-from parlab._checks import real_number, whole_number
+from parlab._checks import real_number, refuse, whole_number
 
 GB = 1e9  # the ZeRO paper's gigabyte
 STAGES = (0, 1, 2, 3)
@@ -42,46 +44,47 @@ class ModelState(NamedTuple):
 
 
 class Precision(NamedTuple):
-    """Bytes per parameter of a training recipe: ``k`` of optimizer state (K), ``param_bytes``
+    """Bytes per parameter of a training recipe: ``kappa`` of optimizer state, ``param_bytes``
     and ``grad_bytes`` of the parameters and gradients the model computes with. In the order
     of ``model_state_bytes``' arguments: ``model_state_bytes(psi, stage, n_d, *FP32_ADAM)``."""
 
-    k: float
+    kappa: float
     param_bytes: float
     grad_bytes: float
 
 
 # fp16/bf16 parameters and gradients; fp32 master parameters, momentum and variance.
-MIXED_ADAM = Precision(k=12, param_bytes=2, grad_bytes=2)
-# Everything in fp32, no master copy: the parameters are the master parameters, so K counts
-# momentum and variance only. This is what a CPU run of torch.optim.Adam holds.
-FP32_ADAM = Precision(k=8, param_bytes=4, grad_bytes=4)
+MIXED_ADAM = Precision(kappa=12, param_bytes=2, grad_bytes=2)
+# Everything in fp32, no master copy: the parameters are the master parameters, so kappa
+# counts momentum and variance only. This is what a CPU run of torch.optim.Adam holds.
+FP32_ADAM = Precision(kappa=8, param_bytes=4, grad_bytes=4)
 # torch.optim.SGD(momentum > 0) in fp32: one momentum buffer.
-FP32_SGD_MOMENTUM = Precision(k=4, param_bytes=4, grad_bytes=4)
+FP32_SGD_MOMENTUM = Precision(kappa=4, param_bytes=4, grad_bytes=4)
 PRECISIONS = {"mixed-precision Adam": MIXED_ADAM, "fp32 Adam": FP32_ADAM, "fp32 SGD with momentum": FP32_SGD_MOMENTUM}
 
 
-def model_state_bytes(psi, stage, n_d, k=12, param_bytes=2, grad_bytes=2):
+def model_state_bytes(psi, stage, n_d, kappa=12, param_bytes=2, grad_bytes=2):
     """The ZeRO paper's model-state bytes of ONE device, as a ``ModelState``.
 
     ``psi``: Psi, the number of parameters; ``stage``: the ZeRO stage, 0 (plain data
-    parallelism) to 3; ``n_d``: N_d, the data-parallel degree; ``k``: K, optimizer-state bytes
-    per parameter; ``param_bytes``, ``grad_bytes``: bytes per parameter and per gradient.
+    parallelism) to 3; ``n_d``: N_d, the data-parallel degree; ``kappa``: optimizer-state
+    bytes per parameter (the paper's K); ``param_bytes``, ``grad_bytes``: bytes per parameter
+    and per gradient.
 
         params    = param_bytes Psi     (/ N_d from stage 3)
         grads     = grad_bytes Psi      (/ N_d from stage 2)
-        optimizer = K Psi               (/ N_d from stage 1)
+        optimizer = kappa Psi           (/ N_d from stage 1)
 
     Buffers, fragmentation, activations and the gathered parameters of the layer being
     computed (stage 3) are not model states and are not counted.
     """
-    _check_sizes(psi=psi, k=k, param_bytes=param_bytes, grad_bytes=grad_bytes)
+    _check_sizes(psi=psi, kappa=kappa, param_bytes=param_bytes, grad_bytes=grad_bytes)
     _check_stage(stage)
     _check_ranks(n_d)
     return ModelState(
         params=param_bytes * psi / (n_d if stage >= 3 else 1),
         grads=grad_bytes * psi / (n_d if stage >= 2 else 1),
-        optimizer=k * psi / (n_d if stage >= 1 else 1),
+        optimizer=kappa * psi / (n_d if stage >= 1 else 1),
     )
 
 
@@ -115,6 +118,34 @@ def ring_traffic_bytes(numel, n_d, element_bytes, stage):
     return (n_d - 1) * communication_volume(numel, stage) * element_bytes / n_d
 
 
+def ring_communication_seconds(padded_numels, n_d, element_bytes, stage, latency, bandwidth):
+    """Seconds one step's ring collectives take at ``stage`` in the alpha-beta model, one
+    collective after another: ``padded_numels`` lists the flat buffers the step moves (one for
+    ZeroDP, one per unit for FSDP; each padded to a multiple of N_d), ``latency`` is alpha (s)
+    and ``bandwidth`` 1/beta (bytes/s). A buffer of P elements makes c collectives (2, or 3 at
+    stage 3: ``communication_volume``), each N_d - 1 messages of one P / N_d chunk:
+
+        sum over buffers of  c (N_d - 1) (alpha + P / N_d x element_bytes x beta)
+
+    When alpha is small beside a chunk's time (a bandwidth-bound link), stage 3 takes 1.5 x
+    the time of stages 0 to 2, as it moves 1.5 x the bytes; each unit's latency adds to that.
+    """
+    _check_ranks(n_d)
+    _check_sizes(element_bytes=element_bytes, latency=latency)
+    real_number("bandwidth", bandwidth, "give the link's bytes per second, e.g. 25e6.", above=True)
+    collectives = communication_volume(1, stage)
+    return sum(collectives * (n_d - 1) * (latency + _check_padded(numel, n_d) / n_d * element_bytes / bandwidth)
+               for numel in padded_numels)
+
+
+def _check_padded(numel, n_d):
+    fix = "give each flat buffer's padded numel (FlatLayout.padded_numel), which N_d equal shards make up."
+    whole_number("each of padded_numels", numel, fix)
+    if numel % n_d:
+        refuse("each of padded_numels", f"a multiple of n_d = {n_d}", numel, fix)
+    return numel
+
+
 class Estimate(NamedTuple):
     """A DeepSpeed memory estimate in bytes: on each GPU, and of host memory on each node."""
 
@@ -132,7 +163,7 @@ def deepspeed_zero2_estimate(psi, gpus_per_node=1, nodes=1, offload_optimizer=Fa
                            per CPU  max(4 N, 16) Psi x buffer_factor
 
     How it differs from the paper's P_os+g, 2 Psi + 14 Psi / N: the shard counts 18 bytes per
-    parameter, not 2 + K = 14, because DeepSpeed also keeps an fp32 copy of its gradient
+    parameter, not 2 + kappa = 14, because DeepSpeed also keeps an fp32 copy of its gradient
     shard (4) for the fp32 optimizer. The host term is not a model state: every process of a
     node first loads the whole fp32 model (4 Psi) before sharding it. With the optimizer
     offloaded, the GPU keeps only the 16-bit parameters and the host holds the optimizer's
@@ -162,7 +193,7 @@ def deepspeed_zero3_estimate(psi, largest_layer_psi, gpus_per_node=1, nodes=1, o
 
     every CPU term times ``buffer_factor`` (1.5, a margin for temporary and pinned buffers).
 
-    How it differs from the paper's P_os+g+p, (2 + 2 + K) Psi / N_d = 16 Psi / N:
+    How it differs from the paper's P_os+g+p, (2 + 2 + kappa) Psi / N_d = 16 Psi / N:
     - the largest-layer term L: while a layer computes, its 16-bit parameters are gathered
       whole and its 16-bit gradients are whole before the reduce-scatter (2 + 2 bytes per
       parameter of that layer). The paper counts only what is held at rest;
@@ -287,10 +318,11 @@ def _ranks(gpus_per_node, nodes):
 _SIZES = {  # what each size means, for the sentence that refuses it
     "psi": "the number of parameters, e.g. 7.5e9",
     "largest_layer_psi": "the parameters of the largest layer",
-    "k": "optimizer-state bytes per parameter, e.g. 12 for mixed-precision Adam",
+    "kappa": "optimizer-state bytes per parameter, e.g. 12 for mixed-precision Adam",
     "param_bytes": "bytes per parameter, e.g. 2 in fp16",
     "grad_bytes": "bytes per gradient, e.g. 2 in fp16",
     "element_bytes": "bytes per element, e.g. 4 in fp32",
+    "latency": "the link's seconds per message (alpha), e.g. 200e-6",
     "buffer_factor": "DeepSpeed's margin on host memory, 1.5 by default",
     "s": "the sequence length", "b": "the micro-batch size", "h": "the hidden size", "a": "the attention heads",
     "layers": "the number of transformer layers",

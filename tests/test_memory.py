@@ -19,6 +19,7 @@ from parlab.memory import (
     fits,
     measure_model_state,
     model_state_bytes,
+    ring_communication_seconds,
     ring_traffic_bytes,
     storage_bytes,
     transformer_activation_bytes,
@@ -105,6 +106,14 @@ def test_presets_give_the_bytes_per_parameter_of_each_recipe():
     assert set(PRECISIONS.values()) == {MIXED_ADAM, FP32_ADAM, FP32_SGD_MOMENTUM}
 
 
+def test_kappa_is_the_optimizer_bytes_per_parameter_by_name():
+    # kappa, not the paper's K: K counts pipeline stages in this course (notebooks/GLOSSARY.md)
+    assert MIXED_ADAM.kappa == 12 and FP32_ADAM.kappa == 8 and FP32_SGD_MOMENTUM.kappa == 4
+    assert model_state_bytes(100, 1, 4, kappa=8, param_bytes=4, grad_bytes=4) == ModelState(400, 400, 200)
+    with pytest.raises(TypeError):
+        model_state_bytes(100, 1, 4, k=8)
+
+
 @pytest.mark.parametrize(
     "arguments, message",
     [
@@ -113,7 +122,7 @@ def test_presets_give_the_bytes_per_parameter_of_each_recipe():
         ((100, 1, 0), "n_d"),
         ((100, 1, 1.5), "n_d"),
         ((-1, 1, 2), "psi must be at least 0"),
-        ((100, 1, 2, -12), "k must be at least 0"),
+        ((100, 1, 2, -12), "kappa must be at least 0"),
     ],
 )
 def test_model_state_bytes_rejects_what_cannot_be(arguments, message):
@@ -133,6 +142,39 @@ def test_ring_traffic_bytes():
     assert ring_traffic_bytes(1000, 1, 4, 3) == 0
     with pytest.raises(ValueError, match="n_d"):
         ring_traffic_bytes(1000, 0, 4, 1)
+
+
+def test_ring_communication_seconds_by_hand():
+    # 1000 fp32 elements on 4 ranks: chunks of 250 x 4 = 1000 bytes, 1 ms each at 1 MB/s, plus alpha = 1 ms
+    assert ring_communication_seconds([1000], 4, 4, 0, 1e-3, 1e6) == pytest.approx(2 * 3 * 2e-3)
+    assert ring_communication_seconds([1000], 4, 4, 3, 1e-3, 1e6) == pytest.approx(3 * 3 * 2e-3)
+    # FSDP's units: every unit pays its own messages, so its own latencies
+    assert ring_communication_seconds([400, 600], 4, 4, 3, 1e-3, 1e6) == pytest.approx(
+        3 * 3 * (1e-3 + 4e-4) + 3 * 3 * (1e-3 + 6e-4))
+    assert ring_communication_seconds([1000], 1, 4, 3, 1e-3, 1e6) == 0  # one rank sends nothing
+
+
+def test_on_a_bandwidth_bound_link_stage_3_takes_the_traffic_ratio():
+    for stage in STAGES:  # without latency the time is the bytes sent over the bandwidth
+        assert ring_communication_seconds([1000, 2000], 4, 4, stage, 0, 1e6) == pytest.approx(
+            ring_traffic_bytes(3000, 4, 4, stage) / 1e6)
+    # ZeroDP moves one flat buffer, FSDP one per unit: 4 units pay 4 times the latencies
+    stage_0 = ring_communication_seconds([16000], 4, 4, 0, 1e-4, 1e6)
+    stage_3 = ring_communication_seconds([4000] * 4, 4, 4, 3, 1e-4, 1e6)
+    assert stage_3 / stage_0 == pytest.approx(36 * (1e-4 + 4e-3) / (6 * (1e-4 + 16e-3)))
+    assert 1.5 < stage_3 / stage_0 < 1.5 * 1.1
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (([1001], 4, 4, 0, 0, 1e6), r"each of padded_numels must be a multiple of n_d = 4, got 1001: .*padded_numel"),
+    (([1000.0], 4, 4, 0, 0, 1e6), r"each of padded_numels must be a whole number"),
+    (([1000], 4, 4, 0, -1, 1e6), r"latency must be at least 0 .*alpha"),
+    (([1000], 4, 4, 0, 0, 0), r"bandwidth must be above 0 .*bytes per second"),
+    (([1000], 4, 4, 5, 0, 1e6), r"stage must be a ZeRO stage"),
+])
+def test_ring_communication_seconds_refuses_what_cannot_be(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        ring_communication_seconds(*arguments)
 
 
 # --- DeepSpeed's estimators -------------------------------------------------------------------

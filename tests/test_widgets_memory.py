@@ -64,7 +64,7 @@ def test_parse_psi():
 @pytest.mark.parametrize("call, message", [
     (lambda: memory_bars(7.5e9, 0), "n_d .* must be a whole number >= 1, got 0"),
     (lambda: memory_bars(7.5e9, 64, device_gb=0), "device_gb must be above 0 .*, got 0"),
-    (lambda: memory_bars(7.5e9, 64, k=-1), "k must be at least 0 .*, got -1"),
+    (lambda: memory_bars(7.5e9, 64, kappa=-1), "kappa must be at least 0 .*, got -1"),
     (lambda: memory_readout(7.5e9, 2.5), "whole number >= 1, got 2.5"),
     (lambda: memory_widget(n_d=2000), "must be a whole number from 1 to 1024, got 2000: the N_d slider"),
     (lambda: memory_widget(psi="lots"), "like 7.5B, 125M or 1e9, not 'lots'"),
@@ -89,6 +89,7 @@ def test_bar_heights_are_the_papers_formula_in_gigabytes():
     assert [text.get_text() for text in ax.texts if text.get_text()[0].isdigit()] == ["120", "31.4", "16.6", "1.88"]
     assert ax.get_ylabel() == "model states per device (GB)"
     assert horizontal_lines(ax) == [80]  # the device line, within view of the 120 GB bar
+    assert ax.get_title().startswith("Psi = 7.5B, N_d = 64, kappa = 12, 2+2 bytes")
     assert ax.get_title().endswith("fits an 80 GB device from stage 1")
 
 
@@ -137,7 +138,7 @@ def test_memory_readout_table():
 
 def test_widget_answers_its_controls():
     widget = memory_widget(psi="7.5B", n_d=64)
-    (preset, psi_text), (dtype, device), (k, ranks) = (row.children for row in widget.children[:3])
+    (preset, psi_text), (dtype, device), (kappa, ranks) = (row.children for row in widget.children[:3])
     feedback, image, readout = widget.children[-3:]
     status = feedback.children[0]
     assert "<td>31.4</td>" in readout.value and image.value[:4] == b"\x89PNG"
@@ -147,7 +148,8 @@ def test_widget_answers_its_controls():
     preset.value = "1.5B"
     assert psi_text.value == "1.5B" and readout.value.count(">24<") == 4
     dtype.value = "fp32"
-    assert k.value == 8 and readout.value.count(">24<") == 4  # 4 + 4 + 8 bytes, 16 again
+    assert kappa.value == 8 and readout.value.count(">24<") == 4  # 4 + 4 + 8 bytes, 16 again
+    assert kappa.description == "kappa"  # the ZeRO paper's K: K counts pipeline stages here
     device.value = 20
     assert readout.value.count(">no<") == 4
     psi_text.value = "lots"
@@ -194,14 +196,14 @@ def test_the_widget_button_measures_and_overlays(cluster2, monkeypatch):
     draw = module.memory_bars
     monkeypatch.setattr(module, "memory_bars", lambda *args: drawn.append(args[7]) or draw(*args))
     widget = memory_widget(cluster2)
-    (preset, psi_text), (dtype, _), (k, ranks) = (row.children for row in widget.children[:3])
+    (preset, psi_text), (dtype, _), (kappa, ranks) = (row.children for row in widget.children[:3])
     button, bar = widget.children[4], widget.children[5].children[1]
     assert button.description == "measure on the cluster" and drawn == [None]
     progress = []  # the bar's value after each step
     bar.observe(lambda change: progress.append(change["new"]), names="value")
     button.click()
     assert progress == [1, 2, 3, 4] and bar.max == 4 and bar.layout.display == "none"  # one step per stage
-    assert (psi_text.value, ranks.value, dtype.value, k.value) == (str(SMALL_PSI), 2, "fp32", 8)
+    assert (psi_text.value, ranks.value, dtype.value, kappa.value) == (str(SMALL_PSI), 2, "fp32", 8)
     assert sorted(drawn[-1]) == list(STAGES)  # measured bars beside the predicted ones
     assert drawn[-1][3].params == model_state_bytes(SMALL_PSI, 3, 2, *FP32_ADAM).params
     ranks.value = 4  # away from the measured configuration: the overlay goes

@@ -2,10 +2,13 @@
 the paper predicts it and as the ranks of a cluster really hold it.
 
     parse_psi("7.5B")                                    Psi from "7.5B", "125M", "1e9"
-    memory_bars(psi, n_d, k, param_bytes, grad_bytes)    stacked bars per stage, static figure
-    memory_readout(psi, n_d, k, ...)                     the same numbers as an HTML table
-    measure_stages(cluster, model_fn, stages, ...)       ModelState measured on real ranks
-    memory_widget(cluster=None)                          Psi, K, N_d, dtype controls over it all
+    memory_bars(psi, n_d, kappa, param_bytes, grad_bytes)   stacked bars per stage, static figure
+    memory_readout(psi, n_d, kappa, ...)                    the same numbers as an HTML table
+    measure_stages(cluster, model_fn, stages, ...)          ModelState measured on real ranks
+    memory_widget(cluster=None)                             Psi, kappa, N_d, dtype controls over it all
+
+kappa is the optimizer state's bytes per parameter (the ZeRO paper's K; K counts pipeline
+stages in this course).
 
 The predictions are ``parlab.memory.model_state_bytes``; the measurements are the ZeRO and
 FSDP engines' ``model_state_bytes()`` (``parlab.zero``), taken at rest after a step.
@@ -32,7 +35,7 @@ from parlab.widgets._common import (
 )
 
 PSI_PRESETS = {"1.5B": 1.5e9, "7.5B": 7.5e9, "70B": 70e9}
-# The widget's dtype choice: (param_bytes, grad_bytes) and the K of Adam in that recipe.
+# The widget's dtype choice: (param_bytes, grad_bytes) and the kappa of Adam in that recipe.
 DTYPES = {"fp16/bf16 mixed": MIXED_ADAM, "fp32": FP32_ADAM}
 PARTS = ("params", "grads", "optimizer")
 PART_LABELS = {"params": "parameters", "grads": "gradients", "optimizer": "optimizer state"}
@@ -54,7 +57,7 @@ def parse_psi(text):
     return psi
 
 
-def memory_bars(psi, n_d, k=12, param_bytes=2, grad_bytes=2, device_gb=80, ax=None, measured=None, highlight=None):
+def memory_bars(psi, n_d, kappa=12, param_bytes=2, grad_bytes=2, device_gb=80, ax=None, measured=None, highlight=None):
     """Model-state bytes of ONE device at ZeRO stages 0 to 3 (``model_state_bytes``), one
     stacked bar per stage: parameters, gradients, optimizer state, in GB (1e9 bytes; MB or
     KB for small models), the total written above. A dashed line marks ``device_gb``, the
@@ -69,7 +72,7 @@ def memory_bars(psi, n_d, k=12, param_bytes=2, grad_bytes=2, device_gb=80, ax=No
     _check_device(device_gb)
     if ax is None:
         _, ax = plt.subplots(figsize=FIGSIZE, layout="constrained")
-    predicted = {stage: model_state_bytes(psi, stage, n_d, k, param_bytes, grad_bytes) for stage in STAGES}
+    predicted = {stage: model_state_bytes(psi, stage, n_d, kappa, param_bytes, grad_bytes) for stage in STAGES}
     measured = {stage: state for stage, state in (measured or {}).items() if stage in STAGES}
     tallest = max(state.total for state in [*predicted.values(), *measured.values()]) or 1
     scale, unit = next((scale, unit) for scale, unit in UNITS if tallest >= scale or scale == 1)
@@ -92,18 +95,18 @@ def memory_bars(psi, n_d, k=12, param_bytes=2, grad_bytes=2, device_gb=80, ax=No
     ax.set_ylim(0, max(tallest, device if device <= 1.5 * tallest else 0) / scale * 1.18)
     ax.set_xlabel("ZeRO stage")
     ax.set_ylabel(f"model states per device ({unit})")
-    ax.set_title(f"Psi = {_count(psi)}, N_d = {n_d}, K = {k:g}, {param_bytes:g}+{grad_bytes:g} bytes per "
+    ax.set_title(f"Psi = {_count(psi)}, N_d = {n_d}, kappa = {kappa:g}, {param_bytes:g}+{grad_bytes:g} bytes per "
                  f"parameter and gradient: {_first_fit(predicted, device, device_gb)}", fontsize=9)
     return ax
 
 
-def memory_readout(psi, n_d, k=12, param_bytes=2, grad_bytes=2, device_gb=80, highlight=None):
+def memory_readout(psi, n_d, kappa=12, param_bytes=2, grad_bytes=2, device_gb=80, highlight=None):
     """An HTML table of ``model_state_bytes`` per stage (GB per device, each part and the
     total) with whether it fits in ``device_gb``; the ``highlight`` row in bold."""
     _check_device(device_gb)
     rows = []
     for stage in STAGES:
-        state = model_state_bytes(psi, stage, n_d, k, param_bytes, grad_bytes)
+        state = model_state_bytes(psi, stage, n_d, kappa, param_bytes, grad_bytes)
         cells = [STAGE_LABELS[stage], *(f"{value / GB:.3g}" for value in state), f"{state.total / GB:.3g}",
                  "yes" if fits(state, device_gb * GB) else "no"]
         if stage == highlight:
@@ -164,8 +167,8 @@ def _measure_on_rank(model_fn, stages, make_batch, optimizer_class, loss_fn, opt
 
 def memory_widget(cluster=None, psi="7.5B", n_d=64, device_gb=80):
     """``memory_bars`` with controls: a Psi preset and a free Psi text ("7.5B", "125M"), the
-    dtype (fp16/bf16 mixed: 2 + 2 bytes, K = 12; fp32: 4 + 4 bytes, K = 8, Adam's presets),
-    K, N_d, the device's GB and a stage to highlight, over the figure and ``memory_readout``.
+    dtype (fp16/bf16 mixed: 2 + 2 bytes, kappa = 12; fp32: 4 + 4 bytes, kappa = 8, Adam's
+    presets), kappa, N_d, the device's GB and a stage to highlight, over the figure and ``memory_readout``.
     With a ``cluster``, a button "measure on the cluster" runs ``measure_stages`` (fp32 Adam
     on ``small_model``) stage by stage under a progress bar, sets the controls to that model
     (its Psi, N_d = world size, fp32) and lays the measured bars beside the predicted ones
@@ -185,7 +188,7 @@ def memory_widget(cluster=None, psi="7.5B", n_d=64, device_gb=80):
                               description="Psi preset", style=FIT)
     psi_text = widgets.Text(str(psi), description="Psi", continuous_update=False, style=FIT)
     dtype = toggle_buttons(list(DTYPES), "dtype")
-    k = widgets.FloatSlider(MIXED_ADAM.k, min=0, max=24, step=1, description="K", style=FIT)
+    kappa = widgets.FloatSlider(MIXED_ADAM.kappa, min=0, max=24, step=1, description="kappa", style=FIT)
     ranks = widgets.IntSlider(n_d, min=1, max=1024, description="N_d", continuous_update=False, style=FIT)
     device = widgets.BoundedFloatText(device_gb, min=1, max=10_000, description="device GB", style=FIT)
     highlight = toggle_buttons(list(STAGES), "stage", value=3)
@@ -194,7 +197,7 @@ def memory_widget(cluster=None, psi="7.5B", n_d=64, device_gb=80):
 
     def controls():
         precision = DTYPES[dtype.value]
-        return parse_psi(psi_text.value), ranks.value, k.value, precision.param_bytes, precision.grad_bytes
+        return parse_psi(psi_text.value), ranks.value, kappa.value, precision.param_bytes, precision.grad_bytes
 
     def redraw(_=None):
         config = controls()
@@ -207,7 +210,7 @@ def memory_widget(cluster=None, psi="7.5B", n_d=64, device_gb=80):
             psi_text.value = preset.value
 
     def choose_dtype(_):
-        k.value = DTYPES[dtype.value].k
+        kappa.value = DTYPES[dtype.value].kappa
 
     def measure(_):
         measurement["cluster"] = running_cluster(measurement["cluster"], feedback)
@@ -218,25 +221,25 @@ def memory_widget(cluster=None, psi="7.5B", n_d=64, device_gb=80):
                 states.update(measure_stages(measurement["cluster"], stages=(stage,)))
                 advance(f"stage {stage + 1} on {ranks_there} ranks" if stage + 1 in STAGES else "done")
         psi_small = sum(p.numel() for p in small_model().parameters())
-        measurement.update(states=states, config=(float(psi_small), ranks_there, FP32_ADAM.k, FP32_ADAM.param_bytes,
+        measurement.update(states=states, config=(float(psi_small), ranks_there, FP32_ADAM.kappa, FP32_ADAM.param_bytes,
                                                   FP32_ADAM.grad_bytes))
         preset.value, psi_text.value, ranks.value, dtype.value = "custom", str(psi_small), ranks_there, "fp32"
         redraw()
 
     preset.observe(feedback.guard(choose_preset, "Choosing the preset"), names="value")
     dtype.observe(feedback.guard(choose_dtype, "Choosing the dtype"), names="value")
-    for control in (psi_text, dtype, k, ranks, device, highlight):
+    for control in (psi_text, dtype, kappa, ranks, device, highlight):
         control.observe(feedback.guard(redraw, "Redrawing the memory bars"), names="value")
     redraw()
     show_static(image.value, f"ZeRO memory for Psi = {psi}")
-    rows = [widgets.HBox([preset, psi_text]), widgets.HBox([dtype, device]), widgets.HBox([k, ranks]), highlight]
+    rows = [widgets.HBox([preset, psi_text]), widgets.HBox([dtype, device]), widgets.HBox([kappa, ranks]), highlight]
     if cluster is not None:
         rows.append(button("measure on the cluster", feedback.guard(measure, "Measuring on the cluster")))
     return widgets.VBox([*rows, feedback.box, image, readout])
 
 
 def _check_device(device_gb):
-    # Psi, N_d, K and the bytes are model_state_bytes' to check; the device is the figure's.
+    # Psi, N_d, kappa and the bytes are model_state_bytes' to check; the device is the figure's.
     real_number("device_gb", device_gb, "give the memory of one device in GB, e.g. 80.", above=True)
 
 
