@@ -115,7 +115,7 @@ def test_the_last_phase_is_what_the_engines_hold_at_rest_on_two_ranks(cluster2):
         state = measured[stage]
         assert (state.params, state.grads) == (FP32_ADAM.param_bytes * drawn["params"],
                                                FP32_ADAM.grad_bytes * drawn["grads"]), stage
-        assert 0 <= state.optimizer - FP32_ADAM.k * drawn["optimizer"] <= 4 * 8, stage
+        assert 0 <= state.optimizer - FP32_ADAM.kappa * drawn["optimizer"] <= 4 * 8, stage
 
 
 def cells(ax):

@@ -224,7 +224,7 @@ def test_memory_at_rest_is_the_zero_formula(world, request):
     for strategy, options, stage in [("FULL_SHARD", {}, 3), ("SHARD_GRAD_OP", {}, 3),
                                      ("FULL_SHARD", dict(cpu_offload=True), 3), ("NO_SHARD", {}, 0)]:
         for measured, psi in cluster.run(memory_at_rest, strategy, **options, timeout=60):
-            expected = model_state_bytes(psi, stage, N, k=8, param_bytes=4, grad_bytes=4)
+            expected = model_state_bytes(psi, stage, N, kappa=8, param_bytes=4, grad_bytes=4)
             for field in ("params", "grads", "optimizer"):  # Adam: 16 Psi / N_d in all
                 assert getattr(measured, field) == pytest.approx(getattr(expected, field), rel=0.02), (strategy, field)
 

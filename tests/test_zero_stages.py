@@ -158,12 +158,12 @@ def test_measured_model_state_bytes_match_the_formula(world, request):
     cluster = request.getfixturevalue(world)
     N = cluster.world_size
     psi = WIDE[0] * WIDE[1] + WIDE[1] + WIDE[1] * WIDE[2] + WIDE[2]
-    k = {"Adam": 8, "SGD momentum": 4}
+    kappa = {"Adam": 8, "SGD momentum": 4}  # optimizer-state bytes per parameter
     for rank, results in enumerate(cluster.run(measured_bytes_after_one_step, timeout=60)):
         for (stage, name), (measured, padded, grads_held) in results.items():
             # Exactly the formula for the padded flat buffer, plus Adam's step count (one fp32 scalar).
             assert 0 < padded - psi < N  # WIDE needs padding at N_d = 2 and 4
-            formula = model_state_bytes(padded, stage, N, k=k[name], param_bytes=4, grad_bytes=4)
+            formula = model_state_bytes(padded, stage, N, kappa=kappa[name], param_bytes=4, grad_bytes=4)
             step_count = 4 if name == "Adam" else 0
             assert (measured.params, measured.grads, measured.optimizer) == (
                 formula.params, formula.grads, formula.optimizer + step_count), (rank, stage, name)
@@ -194,7 +194,8 @@ def test_a_step_sends_the_ring_bytes_of_a_reduce_scatter_and_an_all_gather(world
         assert padded == 116 if N == 4 else padded == 114
         for rank in range(N):
             start = timeline.select(rank=rank, name="steps")[0].start
-            sent = sum(ev.nbytes for ev in timeline.select(rank=rank, kind="comm") if ev.name in ("send", "isend") and ev.start >= start)
+            sent = sum(ev.nbytes for ev in timeline.select(rank=rank, kind="comm")
+                       if ev.name in ("send", "isend") and ev.start >= start)
             assert sent == steps * ring_traffic_bytes(padded, N, 4, stage) == steps * 2 * (N - 1) * padded * 4 / N
             assert len(timeline.select(rank=rank, name="reduce-scatter gradients")) == steps
 
