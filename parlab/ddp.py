@@ -80,6 +80,18 @@ def assign_buckets(sizes_in_bytes, bucket_cap_bytes):
     return buckets
 
 
+def trainable_parameters(module):
+    """``[(name, parameter)]`` of the parameters whose gradients DDP averages, in registration
+    order: those with ``requires_grad`` (frozen ones are left alone), a tied parameter once."""
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError(
+            "the module has no trainable parameters (all have requires_grad=False): there are no "
+            "gradients to average; unfreeze at least one parameter."
+        )
+    return named
+
+
 class DDP(torch.nn.Module):
     """Wrap ``module`` for data-parallel training on the default process group (N_d ranks).
 
@@ -131,12 +143,7 @@ class DDP(torch.nn.Module):
                 "calls, a custom comm_hook does its own communication."
             )
         self.module = module
-        self.parameters_to_sync = [p for p in module.parameters() if p.requires_grad]  # tied ones once
-        if not self.parameters_to_sync:
-            raise ValueError(
-                "the module has no trainable parameters (all have requires_grad=False): there are no "
-                "gradients to average; unfreeze at least one parameter."
-            )
+        self.parameters_to_sync = [p for _, p in trainable_parameters(module)]
         if len({p.dtype for p in self.parameters_to_sync}) > 1:
             raise ValueError("a bucket holds one dtype: convert the module to one dtype first, e.g. module.float().")
         self.variant, self.broadcast_buffers = variant, broadcast_buffers

@@ -15,7 +15,7 @@ from torch import nn
 import parlab
 from parlab import trace
 from parlab.collectives import ring_allreduce
-from parlab.ddp import DDP, MB, VARIANTS, assign_buckets
+from parlab.ddp import DDP, MB, VARIANTS, assign_buckets, trainable_parameters
 from parlab.numerics import assert_equivalent, assert_within, backward_in_shards, ring_orders, rounding_band
 from parlab.sampler import DistributedSampler
 
@@ -213,6 +213,14 @@ def test_assign_buckets_refuses_parameters_and_a_cap_that_is_not_a_size():
         assign_buckets([12], -1)
 
 
+def test_trainable_parameters_are_what_ddp_averages_a_tied_one_once_frozen_ones_left_out():
+    model = TiedToy()
+    named = trainable_parameters(model)
+    assert [name for name, _ in named] == ["embedding.weight", "hidden.weight", "hidden.bias"]
+    assert named[0][1] is model.output.weight  # tied: one parameter, reduced once
+    assert [p.numel() * p.element_size() for _, p in named] == [EMBEDDING, HIDDEN, BIAS]
+
+
 def mark_gradient_ready(param):
     with trace.span("gradient ready"):
         pass
@@ -321,7 +329,8 @@ def test_buffers_come_from_rank_0_at_construction_and_at_each_forward(cluster2):
     for broadcast_buffers in (True, False):
         for rank, (constructed, after_forward) in enumerate(cluster2.run(buffers_after_forward, broadcast_buffers)):
             assert torch.equal(constructed, rank0_scale)
-            assert torch.equal(after_forward, torch.zeros(DIM) if broadcast_buffers else torch.full((DIM,), float(rank)))
+            expected = torch.zeros(DIM) if broadcast_buffers else torch.full((DIM,), float(rank))
+            assert torch.equal(after_forward, expected)
 
 
 # --- mistakes -----------------------------------------------------------------------------
