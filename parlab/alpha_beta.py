@@ -5,8 +5,9 @@ stack, the wire's round of handshakes. beta (seconds per byte) is the inverse of
 bandwidth. A collective is a sequence of messages, so its predicted time is a count of
 messages times alpha plus a count of bytes on the busiest rank times beta:
 ``cost_model`` gives it for each of parlab's algorithms (symbols: N ranks, D bytes in the
-tensor). ``measure_p2p`` measures point-to-point times on two real ranks (a ping-pong) and
-``fit_alpha_beta`` fits the model's two numbers to them.
+tensor). ``measure_p2p`` measures point-to-point times on two real ranks (a ping-pong),
+``ping_pong`` repeats it on a cluster and keeps each size's best, ``fit_alpha_beta`` fits the
+model's two numbers to them and ``fit_errors`` says how well the points pin them down.
 """
 
 import math
@@ -73,21 +74,46 @@ def fit_alpha_beta(sizes_bytes, seconds):
     per cent of noise would outweigh alpha itself, which the small messages measure.
     """
     sizes_bytes, seconds = list(sizes_bytes), list(seconds)
+    weights, D_w, t_w, S_DD = _weighted(sizes_bytes, seconds)
+    beta = sum(w * (D - D_w) * (t - t_w) for w, D, t in zip(weights, sizes_bytes, seconds)) / S_DD
+    return t_w - beta * D_w, beta
+
+
+def fit_errors(sizes_bytes, seconds, alpha, beta):
+    """Standard errors (of alpha, of beta) of ``fit_alpha_beta``'s fit (alpha, beta) to these
+    points, from its residuals: with relative residuals e = (t - alpha - D beta) / t over n
+    points, s^2 = sum(e^2) / (n - 2), and
+
+        se(beta) = s / sqrt(S),   se(alpha) = s sqrt(1 / sum(w) + mean_w(D)^2 / S)
+
+    (weights w = 1 / t^2, S = sum w (D - mean_w(D))^2). A fitted value more than about three
+    standard errors from a declared one is more than the points' scatter explains. Needs
+    three points or more: two always fit exactly."""
+    sizes_bytes, seconds = list(sizes_bytes), list(seconds)
+    if len(seconds) < 3:
+        raise ValueError(f"fit_errors needs at least three points, got {len(seconds)}: two points always lie on "
+                         "a line, so they say nothing about the scatter; measure more message sizes.")
+    weights, D_w, _, S_DD = _weighted(sizes_bytes, seconds)
+    residuals = [w * (t - alpha - D * beta) ** 2 for w, D, t in zip(weights, sizes_bytes, seconds)]
+    s = math.sqrt(sum(residuals) / (len(seconds) - 2))
+    return s * math.sqrt(1 / sum(weights) + D_w**2 / S_DD), s / math.sqrt(S_DD)
+
+
+def _weighted(sizes_bytes, seconds):
+    """The weighted least-squares sums of the fit, checked: (weights 1 / t^2, mean_w(D),
+    mean_w(t), sum w (D - mean_w(D))^2)."""
     if len(sizes_bytes) != len(seconds) or len(set(sizes_bytes)) < 2:
         raise ValueError(
-            "fit_alpha_beta needs one time per size and at least two different sizes; "
+            "fitting alpha and beta needs one time per size and at least two different sizes; "
             f"got {len(sizes_bytes)} sizes ({len(set(sizes_bytes))} different) and {len(seconds)} times: "
             "measure at least two message sizes and pass their times in the same order."
         )
     for D, t in zip(sizes_bytes, seconds):
         real_number("every size", D, "give message sizes in bytes.")
-        real_number("every time", t, "fit_alpha_beta needs measured times above zero, in seconds.", above=True)
+        real_number("every time", t, "the fit needs measured times above zero, in seconds.", above=True)
     weights = [1 / t**2 for t in seconds]
-    mean_D, mean_t = (sum(w * x for w, x in zip(weights, xs)) / sum(weights) for xs in (sizes_bytes, seconds))
-    covariance = sum(w * (D - mean_D) * (t - mean_t) for w, D, t in zip(weights, sizes_bytes, seconds))
-    variance = sum(w * (D - mean_D) ** 2 for w, D in zip(weights, sizes_bytes))
-    beta = covariance / variance
-    return mean_t - beta * mean_D, beta
+    D_w, t_w = (sum(w * x for w, x in zip(weights, xs)) / sum(weights) for xs in (sizes_bytes, seconds))
+    return weights, D_w, t_w, sum(w * (D - D_w) ** 2 for w, D in zip(weights, sizes_bytes))
 
 
 def measure_p2p(sizes, repeats=10):
@@ -122,3 +148,15 @@ def measure_p2p(sizes, repeats=10):
             times.append((time.perf_counter() - start) / 2)
         pairs.append((size, statistics.median(times[1:])))
     return pairs if rank == 0 else None
+
+
+def ping_pong(cluster, sizes, repeats=10, rounds=3):
+    """``measure_p2p`` between ranks 0 and 1 of a running ``cluster``, ``rounds`` times; returns
+    (sizes in increasing order, each size's fastest median, in seconds), ready for
+    ``fit_alpha_beta``. Keeping the fastest of a few rounds filters out the moments another
+    program held the cores. On an emulated link (``cluster.emulate(link=...)``) it measures
+    the link, plus what the emulation itself costs a message."""
+    whole_number("rounds", rounds, "measure at least once, e.g. rounds=3.")
+    measured = [dict(cluster.run(measure_p2p, sizes, repeats)[0]) for _ in range(rounds)]
+    ordered = sorted(set(sizes))
+    return ordered, [min(times[size] for times in measured) for size in ordered]

@@ -9,13 +9,14 @@
 import argparse
 
 from parlab import doctor
-from parlab.bench import collectives, ddp, pipeline, runtime, to_json, zero
+from parlab.bench import collectives, ddp, emulation, pipeline, runtime, to_json, zero
 
 # A bench is a module of parlab.bench (see its docstring for what the module provides);
 # registering it here is all the command line needs.
 BENCHES = {
     "runtime": runtime,
     "collectives": collectives,
+    "emulation": emulation,
     "ddp": ddp,
     "pipeline": pipeline,
     "zero": zero,

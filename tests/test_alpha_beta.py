@@ -2,7 +2,8 @@
 
 import pytest
 
-from parlab.alpha_beta import ALLREDUCE_ALGORITHMS, cost_model, fit_alpha_beta, measure_p2p
+import parlab
+from parlab.alpha_beta import ALLREDUCE_ALGORITHMS, cost_model, fit_alpha_beta, fit_errors, measure_p2p, ping_pong
 
 
 @pytest.mark.timeout(10)
@@ -51,3 +52,43 @@ def test_measure_p2p_returns_increasing_sizes_with_positive_times(cluster2):
     assert other is None
     assert [size for size, _ in pairs] == [8, 1024, 65536]
     assert all(seconds > 0 for _, seconds in pairs)
+
+
+@pytest.mark.timeout(10)
+def test_the_fit_recovers_a_declared_link_from_its_exact_times_with_no_scatter():
+    link = parlab.Link(latency=200e-6, bandwidth=100e6)  # what the emulated regime declares
+    sizes = [2**k for k in range(10, 23, 2)]
+    seconds = [link.time(D) for D in sizes]
+    alpha, beta = fit_alpha_beta(sizes, seconds)
+    assert alpha == pytest.approx(link.latency, rel=1e-9) and beta == pytest.approx(1 / link.bandwidth, rel=1e-9)
+    alpha_error, beta_error = fit_errors(sizes, seconds, alpha, beta)
+    assert alpha_error < 1e-9 * alpha and beta_error < 1e-9 * beta  # points on the line: no scatter
+
+
+@pytest.mark.timeout(10)
+def test_fit_errors_grow_with_the_scatter_and_cover_the_truth():
+    alpha, beta = 2e-4, 1e-8
+    sizes = [2**k for k in range(10, 23, 2)]
+    wobble = [1.03, 0.98, 1.01, 0.97, 1.02, 0.99, 1.03]  # a few per cent, as a loaded machine gives
+    errors = []
+    for scale in (1, 2):
+        seconds = [(alpha + D * beta) * (1 + scale * (w - 1)) for D, w in zip(sizes, wobble)]
+        alpha_fit, beta_fit = fit_alpha_beta(sizes, seconds)
+        errors.append(fit_errors(sizes, seconds, alpha_fit, beta_fit))
+        assert abs(alpha_fit - alpha) <= 3 * errors[-1][0] and abs(beta_fit - beta) <= 3 * errors[-1][1]
+    assert errors[1][0] == pytest.approx(2 * errors[0][0], rel=0.1)  # twice the scatter, twice the error
+    assert errors[1][1] == pytest.approx(2 * errors[0][1], rel=0.1)
+    with pytest.raises(ValueError, match="at least three points"):
+        fit_errors([8, 16], [1e-5, 2e-5], 0.0, 1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_ping_pong_keeps_each_sizes_fastest_round_in_increasing_size(cluster2):
+    sizes, seconds = ping_pong(cluster2, [1024, 8, 1024], repeats=2, rounds=2)
+    assert sizes == [8, 1024] and len(seconds) == 2 and all(t > 0 for t in seconds)
+    link = parlab.Link(latency=2e-3, bandwidth=1e9)
+    with cluster2.emulate(link=link):
+        sizes, seconds = ping_pong(cluster2, [8, 4096], repeats=1, rounds=1)
+    assert all(t >= link.time(D) for D, t in zip(sizes, seconds))  # an emulated message is never early
+    with pytest.raises(ValueError, match="rounds must be a whole number >= 1"):
+        ping_pong(cluster2, [8, 16], rounds=0)

@@ -12,7 +12,7 @@ from test_imports import test_one_spelling_for_this_ranks_device as check_one_de
 
 import parlab
 from parlab import cli, doctor
-from parlab.bench import format_table, percentile, positive_int, ratio_header
+from parlab.bench import byte_size, format_bytes, format_table, percentile, positive_int, progress_bar, ratio_header
 from parlab.bench.runtime import REFERENCE, bench_runtime, format_report
 
 STATUSES = {doctor.OK, doctor.PROBLEM, doctor.INFO}
@@ -179,7 +179,7 @@ def test_python_m_parlab_is_the_same_command():
         [sys.executable, "-m", "parlab", "bench", "--help"], capture_output=True, text=True, timeout=50
     )
     assert completed.returncode == 0
-    assert "runtime" in completed.stdout
+    assert "runtime" in completed.stdout and "emulation" in completed.stdout
 
 
 @pytest.mark.timeout(10)
@@ -188,8 +188,21 @@ def test_bench_helpers():
     assert percentile([5.0], 90) == 5.0
     assert percentile([float(v) for v in range(1, 11)], 90) == 9.0
     assert percentile([float(v) for v in range(1, 11)], 50) == 5.0
+    assert [byte_size(text) for text in ("4096", "1K", "4M", "1.5G", "64MB")] == [4096, 1024, 4 * 2**20,
+                                                                                  3 * 2**29, 64 * 2**20]
+    assert [format_bytes(n) for n in (12, 1024, 4 * 2**20, 3 * 2**29)] == ["12B", "1K", "4M", "1.5G"]
     assert format_table(["name", "n"], [["a", 10], ["long name", 2]]).splitlines() == [
         "name        n",
         "a          10",
         "long name   2",
     ]
+
+
+@pytest.mark.timeout(10)
+def test_progress_bar_counts_on_stderr_and_leaves_stdout_to_the_result(capsys):
+    with progress_bar("demo", 2, unit="size") as bar:
+        bar.set_postfix_str("N=4, 1M")
+        bar.update(2)
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "parlab bench demo" in captured.err and "2/2" in captured.err and "N=4, 1M" in captured.err

@@ -114,6 +114,87 @@ def progress(bench, message):
     print(f"parlab bench {bench}: {message}", file=sys.stderr, flush=True)
 
 
+def progress_bar(bench, total, unit="step"):
+    """A progress bar for a long bench: ``tqdm.auto``, so a notebook shows a bar and a terminal
+    a line on stderr (stdout keeps only the table or the JSON). Use it as a context manager;
+    ``bar.set_postfix_str(what)`` names the step under way, ``bar.update()`` counts it done."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=f"parlab bench {bench}", unit=unit, file=sys.stderr)
+
+
+# Units of ``parse_link``, as parts of a second and as bytes per second: decimal, as network
+# links are quoted (100 MB/s = 1e8 bytes/s). Dividing by 1e6 keeps 200us exactly 200e-6.
+PER_SECOND = {"s": 1.0, "ms": 1e3, "us": 1e6, "µs": 1e6, "ns": 1e9}
+BANDWIDTH_UNITS = {"B/s": 1.0, "kB/s": 1e3, "MB/s": 1e6, "GB/s": 1e9}
+LINK_SYNTAX = ("LATENCY,BANDWIDTH such as 200us,100MB/s "
+               "(latency in s, ms, us or ns; bandwidth in B/s, kB/s, MB/s or GB/s)")
+
+
+def parse_link(text):
+    """The emulated link written on a command line, ``"200us,100MB/s"``, as a ``parlab.Link``
+    (latency 200e-6 s, bandwidth 100e6 bytes/s). A ValueError says what to write instead."""
+    from parlab.runtime.emulation import Link
+
+    parts = str(text).replace(" ", "").split(",")
+    try:
+        if len(parts) != 2:
+            raise ValueError
+        latency, rate = _with_unit(parts[0], PER_SECOND), _with_unit(parts[1], BANDWIDTH_UNITS)
+        return Link(latency=latency[0] / latency[1], bandwidth=rate[0] * rate[1])
+    except ValueError:
+        raise ValueError(f"expected a link as {LINK_SYNTAX}, got {text!r}") from None
+
+
+def link_argument(text):
+    """argparse type of ``--link``: ``parse_link``, its complaint shown as argparse's."""
+    try:
+        return parse_link(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def check_link(link):
+    """A bench function's ``link`` argument: a ``parlab.Link`` to emulate, or None for real time."""
+    from parlab.runtime.emulation import Link
+
+    if link is not None and not isinstance(link, Link):
+        raise ValueError(f"link must be a parlab.Link or None, got {link!r}: pass e.g. "
+                         "parlab.Link(latency=200e-6, bandwidth=100e6), or None to measure in real time.")
+
+
+def _with_unit(text, units):
+    """(the number, its unit's factor) of "200us"; the longest unit first, so that "ms" is not
+    read as "s" after a number "200m"."""
+    for unit in sorted(units, key=len, reverse=True):
+        if text.endswith(unit):
+            value = float(text.removesuffix(unit))  # a ValueError for "fast"
+            if math.isfinite(value):
+                return value, units[unit]
+    raise ValueError(text)
+
+
+def byte_size(text):
+    """argparse type: a byte count such as 4096, 1K, 4M or 1G (powers of 1024)."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    text = text.strip().upper().removesuffix("B")
+    try:
+        value = int(float(text[:-1]) * units[text[-1]]) if text and text[-1] in units else int(text)
+    except (ValueError, OverflowError):  # OverflowError: "inf"
+        value = 0
+    if value < 4:
+        raise argparse.ArgumentTypeError(f"expected a size of at least 4 bytes such as 4096, 1K or 4M, got {text!r}")
+    return value
+
+
+def format_bytes(nbytes):
+    """A byte count as the command line writes it: 1K, 4M, 1.5G (powers of 1024), or 12B."""
+    for unit, scale in (("G", 2**30), ("M", 2**20), ("K", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g}{unit}"
+    return f"{nbytes}B"
+
+
 def synchronise(device):
     """Wait for the GPU's queued work before reading the clock (a no-op on the CPU)."""
     import torch

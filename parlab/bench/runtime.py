@@ -14,6 +14,7 @@ reference's as in every bench (below 1, the cluster is faster).
 
 import os
 import statistics
+import sys
 import time
 from datetime import timedelta
 
@@ -28,7 +29,7 @@ from parlab.bench import (
     format_table,
     percentile,
     positive_int,
-    progress,
+    progress_bar,
     ratio_header,
     time_ratio,
 )
@@ -53,10 +54,11 @@ def run(args):
 def bench_runtime(world_size=4, repeats=50, spawn_repeats=3):
     """Time a trivial function on ``world_size`` ranks, dispatched to a persistent Cluster
     and run by a fresh ``torch.multiprocessing.spawn``, in one run; returns the result dict
-    described in the module docstring. Progress goes to stderr."""
+    described in the module docstring. Progress shows as a bar (``progress_bar``)."""
     check_arguments(repeats=repeats, spawn_repeats=spawn_repeats)
-    cluster_start, cluster_times = _time_cluster(world_size, repeats)
-    spawn_times = _time_spawn(world_size, spawn_repeats)
+    with progress_bar("runtime", repeats + spawn_repeats, unit="run") as bar:
+        cluster_start, cluster_times = _time_cluster(world_size, repeats, bar)
+        spawn_times = _time_spawn(world_size, spawn_repeats, bar)
     return {
         "bench": "runtime",
         "world_size": world_size,
@@ -115,13 +117,13 @@ def trivial_work():
     return dist.get_rank()
 
 
-def _time_cluster(world_size, repeats):
+def _time_cluster(world_size, repeats, bar):
     """(start-up time, per-call times) of a persistent Cluster on the CPU."""
-    progress("runtime", f"starting a {world_size}-rank parlab.Cluster ...")
+    bar.set_postfix_str(f"starting a {world_size}-rank parlab.Cluster")
     start = time.perf_counter()
     with parlab.Cluster(world_size, device="cpu") as cluster:
         start_up = time.perf_counter() - start
-        progress("runtime", f"timing {repeats} calls on it ...")
+        bar.set_postfix_str("calls on the cluster")
         for _ in range(WARMUP_CALLS):
             cluster.run(trivial_work)
         times = []
@@ -129,10 +131,11 @@ def _time_cluster(world_size, repeats):
             start = time.perf_counter()
             cluster.run(trivial_work)
             times.append(time.perf_counter() - start)
+            bar.update()
     return start_up, times
 
 
-def _time_spawn(world_size, spawn_repeats):
+def _time_spawn(world_size, spawn_repeats, bar):
     """Per-run times of spawning ``world_size`` fresh processes that join a gloo process
     group and run ``trivial_work``. The rendezvous store lives in this process on a port the
     OS picks, as in a Cluster, so runs never collide on a port. On a loaded machine a fresh
@@ -140,7 +143,7 @@ def _time_spawn(world_size, spawn_repeats):
     reported and run again, once per requested run at most."""
     times, failures = [], 0
     while len(times) < spawn_repeats:
-        progress("runtime", f"spawning {world_size} fresh processes, {len(times) + 1}/{spawn_repeats} ...")
+        bar.set_postfix_str(f"fresh spawn of {world_size} processes, {len(times) + 1}/{spawn_repeats}")
         start = time.perf_counter()
         store = dist.TCPStore(
             "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT
@@ -151,10 +154,11 @@ def _time_spawn(world_size, spawn_repeats):
             failures += 1
             if failures > spawn_repeats:
                 raise
-            progress("runtime", "a spawned process group failed to start; running it again: "
-                     + str(error).strip().splitlines()[-1])
+            bar.write("parlab bench runtime: a spawned process group failed to start; running it again: "
+                      + str(error).strip().splitlines()[-1], file=sys.stderr)
             continue
         times.append(time.perf_counter() - start)
+        bar.update()
     return times
 
 
