@@ -16,7 +16,7 @@ from parlab.runtime import Cluster, Devices, Link, Nodes, RankError, RankTimeout
 
 __version__ = "0.1.0"
 __all__ = ["Cluster", "Devices", "Link", "Nodes", "RankError", "RankTimeout", "Straggler", "check", "device",
-           "launch", "show"]
+           "hint", "launch", "show"]
 
 # The plumbing of the `parlab` command and of pytest; every other module is for learners.
 _PLUMBING = {"__main__", "cli", "grading_plugin"}
@@ -41,6 +41,10 @@ def __getattr__(name):
         from parlab.grade import check
 
         return check
+    if name == "hint":
+        from parlab.exercises import hint
+
+        return hint
     if name == "show":
         from parlab.source import show
 

@@ -69,8 +69,8 @@ CASES = {
     "fit_alpha_beta nan time": (lambda: alpha_beta.fit_alpha_beta([1, 2], [1e-5, math.nan]),
                                 r"needs measured times above zero"),
     # --- data parallelism ----------------------------------------------------------------------
-    "assign_buckets '25'": (lambda: ddp.assign_buckets([torch.zeros(3)], "25"), r"pass a number of MiB, e.g. 25"),
-    "assign_buckets nan": (lambda: ddp.assign_buckets([torch.zeros(3)], math.nan), r"math.inf one bucket for all"),
+    "assign_buckets '25'": (lambda: ddp.assign_buckets([12], "25"), r"pass a number of bytes, e.g. 25 \* MB"),
+    "assign_buckets nan": (lambda: ddp.assign_buckets([12], math.nan), r"math.inf one bucket for all"),
     "DDP bucket_cap_mb nan": (lambda: ddp.DDP(LINEAR, bucket_cap_mb=math.nan), r"a number of MiB such as 25"),
     "DDP bucket_cap_mb '25'": (lambda: ddp.DDP(LINEAR, bucket_cap_mb="25"), r"a number of MiB such as 25"),
     "DDP of a function": (lambda: ddp.DDP(lambda x: x), r"pass the model itself"),
