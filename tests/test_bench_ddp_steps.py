@@ -14,9 +14,12 @@ from parlab.bench.ddp_steps import (
     emulated_mlp,
     measure_compute,
     measure_ddp_steps,
+    predicted_steps,
     time_single_process_step,
 )
 from parlab.ddp import trainable_parameters
+from parlab.ddp_model import predict_step
+from parlab.runtime.emulation import Link
 
 
 def build_small_model():
@@ -77,6 +80,17 @@ def test_the_emulated_model_s_gradients_are_ready_after_the_declared_backward_ti
     ready = timing["parameter_ready"]
     assert ready[2] >= 0.02 and ready[1] >= 0.04 and ready[0] >= 0.06
     assert ready[2] < ready[1] < ready[0]
+
+
+def test_each_row_gets_the_overlap_model_of_its_variant_and_cap_on_the_link():
+    model, link = emulated_mlp(4, 3, 0.02), Link(latency=1e-3, bandwidth=1e6)
+    timing = dict(forward=0.001, backward=0.06, optimizer=0.001, parameter_ready=[0.06, 0.04, 0.02])
+    rows = [dict(variant="flat", bucket_cap_mb=None), dict(variant="bucketed", bucket_cap_mb=64 / 2**20),
+            dict(variant="bucketed", bucket_cap_mb=None)]
+    assert predicted_steps(rows, model, timing, 2, link) == [
+        predict_step(model, timing, 2, 1e-3, 1e-6, "flat"), predict_step(model, timing, 2, 1e-3, 1e-6, "bucketed",
+                                                                         64 / 2**20),
+        predict_step(model, timing, 2, 1e-3, 1e-6, "bucketed", 25)]  # None: DDP's default cap, 25 MiB
 
 
 @pytest.mark.parametrize("call, message", [

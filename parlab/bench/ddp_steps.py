@@ -3,6 +3,7 @@
     time_single_process_step(build_model, make_batch)            compute alone: forward, backward, optimizer
     measure_compute(cluster, build_model, make_batch)            the same on every rank at once, the slowest
     measure_ddp_steps(cluster, build_model, make_batch, configs)  DDP step time per variant and bucket cap
+    predicted_steps(rows, model, timing, N_d, link)              the overlap model's, for the same configs
     emulated_mlp(width, depth, backward_s)                       a model of emulated devices (declared times)
 
 A step is forward + backward + gradient synchronisation + ``optimizer.step()`` (``timed_step``);
@@ -22,6 +23,7 @@ from parlab import runtime, trace
 from parlab._checks import real_number, whole_number
 from parlab.bench import synchronise
 from parlab.ddp import DDP, VARIANTS, trainable_parameters
+from parlab.ddp_model import predict_step
 from parlab.emulated import SleepLayer
 
 SEED = 0
@@ -124,6 +126,16 @@ def measure_ddp_steps(cluster, build_model, make_batch, configs, steps=5):
         rows.append(dict(variant=variant, bucket_cap_mb=cap, buckets=buckets, median_s=statistics.median(seconds),
                          seconds=seconds, timeline=timeline.window("step", (index + 1) * (steps + 1) - 1)))
     return rows
+
+
+def predicted_steps(rows, model, timing, N_d, link):
+    """The overlap model's step time (``parlab.ddp_model.predict_step``) for each row of
+    ``measure_ddp_steps`` (its variant and cap), on N_d ranks joined by ``link`` (a
+    ``parlab.Link``: alpha = its latency, beta = 1 / its bandwidth), with ``timing`` from
+    ``measure_compute``."""
+    # A cap of None is DDP's default, 25 MiB (naive, flat and overlapped have caps of their own).
+    return [predict_step(model, timing, N_d, link.latency, 1 / link.bandwidth, row["variant"],
+                         25 if row["bucket_cap_mb"] is None else row["bucket_cap_mb"]) for row in rows]
 
 
 def time_ddp_steps(build_model, make_batch, configs, steps, lr=0.01):
