@@ -1,16 +1,23 @@
-"""parlab bench zero: the structure of its result and its byte counts (deterministic: counted
-from storages, not timed), never its speed."""
+"""parlab bench zero: the structure of its results, its byte counts (counted from storages and
+traces, not timed) and how its ratios are made from the times it measured, never its speed."""
 
 import json
 import statistics
 
 import pytest
 
-from parlab import cli
+from parlab import Link, cli
 from parlab.bench import ratio_header
-from parlab.bench.ddp import mlp_parameters
-from parlab.bench.zero import REFERENCE, available_engines, format_report
-from parlab.memory import FP32_ADAM, model_state_bytes
+from parlab.bench.zero import (
+    ENGINES,
+    REFERENCE,
+    STAGE_RATIO,
+    bench_zero_link,
+    format_report,
+    stage_model,
+    time_stages,
+)
+from parlab.memory import FP32_ADAM, STAGES, model_state_bytes, ring_communication_seconds, ring_traffic_bytes
 
 HIDDEN, DEPTH = 64, 2  # Psi = 8320: the padding to a multiple of N_d is far below 2%
 
@@ -22,10 +29,10 @@ def test_command_line_json_measures_every_engine_and_parlab_matches_the_formula(
     assert cli.main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     psi = result["parameters"]
-    assert psi == mlp_parameters(HIDDEN, DEPTH) == 2 * (64 * 64 + 64)
+    assert psi == 2 * (64 * 64 + 64)
     assert result["bench"] == "zero" and result["backend"] == "gloo" and result["steps"] == 2
     assert result["ratio_means"].startswith(ratio_header(REFERENCE))
-    assert [(r["implementation"], r["stage"], r["engine"]) for r in result["rows"]] == available_engines()
+    assert [(r["implementation"], r["stage"], r["engine"]) for r in result["rows"]] == ENGINES
 
     rows = {(row["implementation"], row["stage"]): row for row in result["rows"]}
     for (implementation, stage), row in rows.items():
@@ -49,5 +56,67 @@ def test_command_line_json_measures_every_engine_and_parlab_matches_the_formula(
     assert rows["parlab", 2]["ratio"] is None  # torch has no stage-2 engine
 
     report = format_report(result)
-    assert "/ formula" in report and "time / torch" in report
+    assert "/ formula" in report and "time / torch" in report and "kappa = 8" in report
     assert all(f"{row['engine']}  " in report for row in result["rows"])
+
+
+@pytest.mark.timeout(180)
+def test_command_line_link_times_the_stages_and_counts_their_bytes(capsys):
+    argv = ["bench", "zero", "--json", "--link", "100us,200MB/s", "--world-sizes", "2", "--steps", "1",
+            "--hidden", str(HIDDEN), "--depth", str(DEPTH), "--compute-ms", "1"]
+    assert cli.main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    link = Link(latency=100e-6, bandwidth=200e6)
+    assert result["link"] == {"latency": link.latency, "bandwidth": link.bandwidth}
+    assert result["ratio_means"] == STAGE_RATIO and result["compute_s"] == 0.001 and result["batch_size"] == 4
+    rows = result["rows"]
+    assert [(row["world_size"], row["stage"]) for row in rows] == [(2, stage) for stage in STAGES]
+    for row in rows:
+        # counted, not timed: every rank sends exactly the ring's bytes, 2 or 3 collectives of the padded buffers
+        assert row["sent"] == [row["sent_formula"]] * 2
+        assert len(row["seconds"]) == 1 and row["median_s"] == row["seconds"][0] > 0 and row["real_median_s"] > 0
+        assert row["measured_over_model"] == pytest.approx(row["median_s"] / row["model_s"])
+        assert row["over_stage_0"] == pytest.approx(row["median_s"] / rows[0]["median_s"])
+        assert row["model_over_stage_0"] == pytest.approx(row["model_s"] / rows[0]["model_s"])
+        assert row["real_over_stage_0"] == pytest.approx(row["real_median_s"] / rows[0]["real_median_s"])
+    assert [row["traffic_over_stage_0"] for row in rows] == [1, 1, 1, 1.5]
+    assert rows[3]["sent_formula"] == pytest.approx(1.5 * rows[0]["sent_formula"], rel=1e-3)  # units pad a little
+    # stage 0 moves one flat buffer of the 2 layers, stage 3 one per layer: model = compute + alpha-beta
+    assert rows[0]["model_s"] == pytest.approx(0.001 + ring_communication_seconds([8320], 2, 4, 0, 100e-6, 200e6))
+    assert rows[3]["model_s"] == pytest.approx(0.001 + ring_communication_seconds([4160] * 2, 2, 4, 3, 100e-6, 200e6))
+    [target] = result["targets"]
+    assert target["value"] == rows[3]["over_stage_0"]
+    assert target["met"] == (abs(target["value"] / 1.5 - 1) <= 0.15)
+    report = format_report(result)
+    assert "emulated: link 100 µs + bytes / (200 MB/s)" in report and "issue 12's target" in report
+    assert all(f"{row['engine']}  " in report for row in rows)
+
+
+@pytest.mark.timeout(120)
+def test_time_stages_runs_in_the_clusters_regime_and_the_model_reads_its_buffers(cluster2):
+    with cluster2.emulate(link=Link(latency=1e-3, bandwidth=1e9)):
+        [row] = time_stages(cluster2, stages=(3,), hidden=8, depth=3, batch_size=2, steps=2)
+    assert row["stage"] == 3 and row["engine"] == "FSDP FULL_SHARD" and len(row["seconds"]) == 2
+    assert row["padded_numels"] == [8 * 8 + 8] * 3  # a unit per Linear, 72 elements (even)
+    assert row["sent"] == [ring_traffic_bytes(3 * 72, 2, 4, 3)] * 2
+    # each of 3 units x 3 collectives is one 1 ms message at N_d = 2: the steps cannot be shorter
+    assert min(row["seconds"]) >= 9e-3
+    link = Link(latency=1e-3, bandwidth=1e9)
+    assert stage_model(row, 2, link, 0.5) == pytest.approx(0.5 + 9 * (1e-3 + 36 * 4 / 1e9))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: bench_zero_link(None), "pass one, e.g. parlab.Link"),
+    (lambda: bench_zero_link("200us,25MB/s"), "link must be a parlab.Link"),
+    (lambda: bench_zero_link(Link(1e-4, 1e8), world_sizes=[0]), "each of world_sizes"),
+    (lambda: bench_zero_link(Link(1e-4, 1e8), compute_s=-1), "compute_s"),
+    (lambda: time_stages(None, stages=(4,)), "ZeRO stages 0 to 3, got 4"),
+])
+def test_bad_arguments_are_refused_before_any_rank_starts(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_link_on_the_command_line_is_the_cpus():
+    with pytest.raises(ValueError, match="drop --device cuda"):
+        cli.main(["bench", "zero", "--link", "200us,25MB/s", "--device", "cuda"])
