@@ -6,6 +6,7 @@ M micro-batches flow through them in an order that a schedule fixes.
     simulate.py   the timed simulator, the bubble of a timeline and its closed forms
     stages.py     cutting a model into stages (partition) and a layer that only sleeps
     executor.py   running a schedule on real ranks (PipelineExecutor, sleep_pipeline_step)
+    measure.py    a step measured on a cluster beside the simulator (measure_bubble, microbatch_sweep)
     grid.py       N_d pipelines side by side, each stage data-parallel (PipelineDataParallel)
 
     from parlab.pipeline import one_f_one_b, simulate
@@ -45,6 +46,8 @@ _WITH_TORCH = {
     "PipelineExecutor": "parlab.pipeline.executor",
     "sleep_pipeline_step": "parlab.pipeline.executor",
     "PipelineDataParallel": "parlab.pipeline.grid",
+    "measure_bubble": "parlab.pipeline.measure",
+    "microbatch_sweep": "parlab.pipeline.measure",
 }
 
 
