@@ -6,13 +6,14 @@ bandwidth. A collective is a sequence of messages, so its predicted time is a co
 messages times alpha plus a count of bytes on the busiest rank times beta:
 ``cost_model`` gives it for each of parlab's algorithms (symbols: N ranks, D bytes in the
 tensor). ``measure_p2p`` measures point-to-point times on two real ranks (a ping-pong),
-``ping_pong`` repeats it on a cluster and keeps each size's best, ``fit_alpha_beta`` fits the
-model's two numbers to them and ``fit_errors`` says how well the points pin them down.
+``fit_alpha_beta`` fits the model's two numbers to them and ``fit_errors`` says how well the
+points pin them down; ``ping_pong`` does all three on a cluster.
 """
 
 import math
 import statistics
 import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -150,13 +151,27 @@ def measure_p2p(sizes, repeats=10):
     return pairs if rank == 0 else None
 
 
+class PingPong(NamedTuple):
+    """What ``ping_pong`` measured: message ``sizes`` (bytes, increasing), the ``seconds`` of
+    one message of each, and the fit of alpha + D beta to them with its standard errors."""
+
+    sizes: list
+    seconds: list
+    alpha: float
+    beta: float
+    alpha_error: float
+    beta_error: float
+
+
 def ping_pong(cluster, sizes, repeats=10, rounds=3):
-    """``measure_p2p`` between ranks 0 and 1 of a running ``cluster``, ``rounds`` times; returns
-    (sizes in increasing order, each size's fastest median, in seconds), ready for
-    ``fit_alpha_beta``. Keeping the fastest of a few rounds filters out the moments another
-    program held the cores. On an emulated link (``cluster.emulate(link=...)``) it measures
-    the link, plus what the emulation itself costs a message."""
+    """``measure_p2p`` between ranks 0 and 1 of a running ``cluster``, ``rounds`` times, each
+    size's fastest median kept, then ``fit_alpha_beta`` and ``fit_errors``: a ``PingPong``.
+    Keeping the fastest of a few rounds filters out the moments another program held the
+    cores. On an emulated link (``with cluster.emulate(link=...)``) it measures the link,
+    plus what the emulation itself costs a message."""
     whole_number("rounds", rounds, "measure at least once, e.g. rounds=3.")
     measured = [dict(cluster.run(measure_p2p, sizes, repeats)[0]) for _ in range(rounds)]
     ordered = sorted(set(sizes))
-    return ordered, [min(times[size] for times in measured) for size in ordered]
+    seconds = [min(times[size] for times in measured) for size in ordered]
+    alpha, beta = fit_alpha_beta(ordered, seconds)
+    return PingPong(ordered, seconds, alpha, beta, *fit_errors(ordered, seconds, alpha, beta))

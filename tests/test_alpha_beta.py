@@ -83,12 +83,15 @@ def test_fit_errors_grow_with_the_scatter_and_cover_the_truth():
 
 
 @pytest.mark.timeout(60)
-def test_ping_pong_keeps_each_sizes_fastest_round_in_increasing_size(cluster2):
-    sizes, seconds = ping_pong(cluster2, [1024, 8, 1024], repeats=2, rounds=2)
-    assert sizes == [8, 1024] and len(seconds) == 2 and all(t > 0 for t in seconds)
+def test_ping_pong_keeps_each_sizes_fastest_round_in_increasing_size_and_fits_them(cluster2):
+    measured = ping_pong(cluster2, [1024, 8, 1024, 65536], repeats=2, rounds=2)
+    assert measured.sizes == [8, 1024, 65536] and len(measured.seconds) == 3 and min(measured.seconds) > 0
+    assert (measured.alpha, measured.beta) == fit_alpha_beta(measured.sizes, measured.seconds)
+    assert (measured.alpha_error, measured.beta_error) == fit_errors(measured.sizes, measured.seconds,
+                                                                     measured.alpha, measured.beta)
     link = parlab.Link(latency=2e-3, bandwidth=1e9)
     with cluster2.emulate(link=link):
-        sizes, seconds = ping_pong(cluster2, [8, 4096], repeats=1, rounds=1)
-    assert all(t >= link.time(D) for D, t in zip(sizes, seconds))  # an emulated message is never early
+        measured = ping_pong(cluster2, [8, 4096, 65536], repeats=1, rounds=1)
+    assert all(t >= link.time(D) for D, t in zip(measured.sizes, measured.seconds))  # never early
     with pytest.raises(ValueError, match="rounds must be a whole number >= 1"):
         ping_pong(cluster2, [8, 16], rounds=0)

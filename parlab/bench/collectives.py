@@ -19,7 +19,9 @@ stays the real reference), beside the alpha-beta model's prediction
 (``parlab.alpha_beta.cost_model``): ``model_ratio`` = emulated time / predicted time. The
 emulation never lets a message finish early, so 1 is the model exactly and the excess is
 what the model leaves out: the CPU work of each message and each reduction, which ranks
-sharing a few cores do one after another. The report ends with issue 12's targets.
+sharing a few cores do one after another. ``free_seconds`` measures that work: the same
+all-reduce on ``FREE_LINK`` (no latency, unlimited bandwidth), where the emulation's path
+takes no time of its own. The report ends with issue 12's targets.
 """
 
 import math
@@ -44,7 +46,7 @@ from parlab.bench import (
     synchronise,
     time_ratio,
 )
-from parlab.runtime.emulation import Regime
+from parlab.runtime.emulation import Link, Regime
 
 ALGORITHMS = {
     "torch": lambda x: dist.all_reduce(x),
@@ -53,8 +55,10 @@ ALGORITHMS = {
     "butterfly": lambda x: collectives.butterfly_allreduce(x, check=False),
 }
 PARLAB_ALGORITHMS = ("naive", "ring", "butterfly")  # the ones an emulated link shapes
+FREE_LINK = Link(latency=0, bandwidth=1e15)  # 64 MiB in 67 ns: the emulated path's own cost alone
 REFERENCE = "torch's dist.all_reduce"
 MODEL_RATIO = "time / model = emulated time / the alpha-beta model's (1: the model exactly; never below)"
+FREE_LINK_MEANS = "free link = the same all-reduce at no latency and unlimited bandwidth: the work the model leaves out"
 DEFAULT_SIZES = [2**10 * 4**k for k in range(9)]  # 1 KiB to 64 MiB
 DEFAULT_WORLD_SIZES = [2, 4]
 # Under an emulated link: issue 12's sizes and world sizes, where its targets are stated.
@@ -120,8 +124,8 @@ def bench_collectives(world_sizes=None, sizes=None, device="cpu", link=None):
 
 def measure_allreduce(cluster, sizes, link=None, bar=None):
     """On a running cluster, for each size: every algorithm in real time (``bandwidth_rows``)
-    and, given a ``link``, parlab's algorithms on it (``emulated_rows``); rows in that order.
-    ``bar``: a progress bar to count the sizes on."""
+    and, given a ``link``, parlab's algorithms on it and on ``FREE_LINK`` (``emulated_rows``);
+    rows in that order. ``bar``: a progress bar to count the sizes on."""
     check_link(link)
     world_size, rows = cluster.world_size, []
     for size in sizes:
@@ -131,10 +135,12 @@ def measure_allreduce(cluster, sizes, link=None, bar=None):
         if link is not None:
             iters = {name: emulated_iters(cost_model(name, _nbytes(size), world_size, link.latency, 1 / link.bandwidth))
                      for name in PARLAB_ALGORITHMS}
-            with cluster.emulate(link=link):
-                # The real timing just ran the same sizes on the same ranks: no warm-up needed.
-                measured = cluster.run(time_algorithms, size, iters, warm_up=False, alone=True)[0]
-            rows += emulated_rows(world_size, size, measured, link)
+            measured = {}
+            for name, emulated in (("link", link), ("free", FREE_LINK)):
+                with cluster.emulate(link=emulated):
+                    # The real timing just ran the same sizes on the same ranks: no warm-up needed.
+                    measured[name] = cluster.run(time_algorithms, size, iters, warm_up=False, alone=True)[0]
+            rows += emulated_rows(world_size, size, measured["link"], link, measured["free"])
         if bar is not None:
             bar.update()
     return rows
@@ -188,14 +194,16 @@ def bandwidth_rows(world_size, size, measured):
     ]
 
 
-def emulated_rows(world_size, size, measured, link):
+def emulated_rows(world_size, size, measured, link, free=None):
     """The rows of one (N, D) timed on an emulated ``link``: per algorithm its seconds,
-    algbw, busbw, the alpha-beta model's seconds and model_ratio = seconds / model's."""
+    algbw, busbw, the alpha-beta model's seconds, model_ratio = seconds / model's, and
+    free_seconds, its time on ``FREE_LINK`` (from ``free``, timed alike; None without)."""
     rows = []
     for name, seconds in measured["seconds"].items():
         model = cost_model(name, _nbytes(size), world_size, link.latency, 1 / link.bandwidth)
         rows.append({**_bandwidths(world_size, size, name, seconds, measured), "regime": "emulated",
-                     "model_seconds": model, "model_ratio": seconds / model})
+                     "model_seconds": model, "model_ratio": seconds / model,
+                     "free_seconds": None if free is None else free["seconds"][name]})
     return rows
 
 
@@ -223,38 +231,43 @@ def targets(rows):
 
 
 def format_report(result):
-    real = [row for row in result["rows"] if row.get("regime", "real") == "real"]
-    table = format_table(
-        ["N", "size", "algorithm", "time", "algbw GB/s", "busbw GB/s", "time / torch"],
-        [
-            [
-                row["world_size"], format_bytes(row["bytes"]), row["algorithm"], f"{row['seconds'] * 1e3:.3f} ms",
-                f"{row['algbw'] / 1e9:.3f}", f"{row['busbw'] / 1e9:.3f}", f"{row['ratio']:.2f}",
-            ]
-            for row in real
-        ],
-    )
+    emulated = rows_of(result, "emulated")
     report = (
         f"parlab bench collectives: all-reduce of float32 tensors over {result['backend']} on "
         f"{result['device']}, torch {result['torch_version']}, {result['cpu_count']} CPU cores\n"
         f"{ratio_header(REFERENCE)}; busbw compares the other way (higher is faster)\n\n"
-        f"real time:\n{table}"
+        f"real time:\n{real_table(rows_of(result, 'real'))}"
     )
-    emulated = [row for row in result["rows"] if row.get("regime") == "emulated"]
     if emulated:
-        table = format_table(
-            ["N", "size", "algorithm", "time", "busbw MB/s", "model", "time / model"],
-            [
-                [
-                    row["world_size"], format_bytes(row["bytes"]), row["algorithm"], f"{row['seconds'] * 1e3:.1f} ms",
-                    f"{row['busbw'] / 1e6:.1f}", f"{row['model_seconds'] * 1e3:.1f} ms", f"{row['model_ratio']:.2f}",
-                ]
-                for row in emulated
-            ],
-        )
         lines = [f"{'met' if t['met'] else 'NOT met':>7}  {t['value']:.2f}  {t['target']}" for t in result["targets"]]
-        report += f"\n\n{result['regime']}\n{MODEL_RATIO}\n\n{table}\n\nissue 12's targets:\n" + "\n".join(lines)
+        report += (f"\n\n{result['regime']}\n{MODEL_RATIO}\n{FREE_LINK_MEANS}\n\n{emulated_table(emulated)}"
+                   "\n\nissue 12's targets:\n" + "\n".join(lines))
     return report
+
+
+def rows_of(result, regime):
+    """The rows of a result measured in ``regime``: "real" or "emulated"."""
+    return [row for row in result["rows"] if row.get("regime", "real") == regime]
+
+
+def real_table(rows):
+    """The real-time rows as a table: time, algbw, busbw and the time over torch's."""
+    return format_table(
+        ["N", "size", "algorithm", "time", "algbw GB/s", "busbw GB/s", "time / torch"],
+        [[row["world_size"], format_bytes(row["bytes"]), row["algorithm"], f"{row['seconds'] * 1e3:.3f} ms",
+          f"{row['algbw'] / 1e9:.3f}", f"{row['busbw'] / 1e9:.3f}", f"{row['ratio']:.2f}"] for row in rows],
+    )
+
+
+def emulated_table(rows):
+    """The emulated rows as a table: time, busbw, the model's time, time / model and the
+    time on the free link."""
+    return format_table(
+        ["N", "size", "algorithm", "time", "busbw MB/s", "model", "time / model", "free link"],
+        [[row["world_size"], format_bytes(row["bytes"]), row["algorithm"], f"{row['seconds'] * 1e3:.1f} ms",
+          f"{row['busbw'] / 1e6:.1f}", f"{row['model_seconds'] * 1e3:.1f} ms", f"{row['model_ratio']:.2f}",
+          "-" if row["free_seconds"] is None else f"{row['free_seconds'] * 1e3:.1f} ms"] for row in rows],
+    )
 
 
 def plot_busbw(result, ax=None, regime="real"):
@@ -265,7 +278,7 @@ def plot_busbw(result, ax=None, regime="real"):
     if ax is None:
         _, ax = plt.subplots(figsize=(8, 4.5))
     styles = {"torch": "k-", "naive": "C3--", "ring": "C0-o", "butterfly": "C2-s"}
-    rows = [row for row in result["rows"] if row.get("regime", "real") == regime]
+    rows = rows_of(result, regime)
     world_sizes = sorted({row["world_size"] for row in rows})
     for world_size, alpha in zip(world_sizes, (1.0, 0.55, 0.35)):
         for name, style in styles.items():
