@@ -98,7 +98,9 @@ def test_time_stages_runs_in_the_clusters_regime_and_the_model_reads_its_buffers
         [row] = time_stages(cluster2, stages=(3,), hidden=8, depth=3, batch_size=2, steps=2)
     assert row["stage"] == 3 and row["engine"] == "FSDP FULL_SHARD" and len(row["seconds"]) == 2
     assert row["padded_numels"] == [8 * 8 + 8] * 3  # a unit per Linear, 72 elements (even)
-    assert row["sent"] == [ring_traffic_bytes(3 * 72, 2, 4, 3)] * 2
+    assert row["sent"] == [ring_traffic_bytes(3 * 72, 2, 4, 3)] * 2 == row["timeline"].bytes_sent()
+    assert row["timeline"].regime == "emulated: link 1 ms + bytes / (1 GB/s)"
+    assert row["timeline"].duration == row["seconds"][-1]  # the last step
     # each of 3 units x 3 collectives is one 1 ms message at N_d = 2: the steps cannot be shorter
     assert min(row["seconds"]) >= 9e-3
     link = Link(latency=1e-3, bandwidth=1e9)

@@ -15,6 +15,7 @@ from parlab.bench.zero_engines import (
     lecture_model,
     mlp,
     ring_arithmetic,
+    start_from_different_weights,
     train_and_measure,
     train_one_process,
 )
@@ -92,7 +93,26 @@ def test_every_engine_trains_like_one_process_and_holds_what_it_should(cluster2)
 @pytest.mark.timeout(120)
 def test_fsdp_options_reach_the_engine(cluster2):
     [bf16, _] = cluster2.run(train_and_measure, "FSDP FULL_SHARD", steps=1, mixed_precision=torch.bfloat16)
+    units = [64 * 256 + 256, 256 * 256 + 256, 256 * 256 + 256, 256 * 8 + 8]  # a unit per Linear, even numels
+    assert bf16["gathered"] == [(torch.bfloat16, 2 * numel) for numel in units]  # the compute copy, while computing
+    assert bf16["dtypes"] == {"shards": {"torch.float32"}, "gradients": {"torch.float32"},
+                              "optimizer state": {"torch.float32"}}  # fp32 master weights and Adam
     fp32, _ = train_one_process(steps=1)
     # bf16 arithmetic changes the numbers; Adam's first step moves each parameter by at most lr
     # (g / |g|), so two first steps differ by at most 2 lr, whatever the precision
     assert 0 < max_abs_difference(bf16["parameters"], fp32) <= 2 * LECTURE_LR
+
+
+@pytest.mark.timeout(120)
+def test_who_broadcasts_the_initial_weights(cluster2):
+    # every rank builds its model from its own seed; rank 0's own weights are also rank 0's
+    rank_0, rank_1 = cluster2.run(start_from_different_weights)
+    assert rank_1 == {
+        "torch DistributedDataParallel(model)": ["rank 0's"],  # broadcast at construction
+        "torch ZeroRedundancyOptimizer(params)": ["its own"],  # no broadcast at construction
+        "torch fully_shard": ["chunk r of rank r's"],  # each rank keeps its chunk of its own weights
+        "ZeroDP stage 1": ["rank 0's"],
+        "FSDP FULL_SHARD": ["rank 0's"],
+    }
+    assert rank_0["torch ZeroRedundancyOptimizer(params)"] == ["rank 0's", "its own"]
+    assert rank_0["torch fully_shard"] == ["chunk r of rank r's"]

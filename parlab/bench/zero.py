@@ -204,8 +204,9 @@ def time_stages(cluster, stages=STAGES, hidden=512, depth=4, batch_size=4, steps
     ``batch_size`` samples per rank, ``compute_s`` of declared compute per step, one warm-up
     step and ``steps`` timed ones. Returns one dict per stage: ``stage``, ``engine``,
     ``seconds`` (each step from the first rank's start to the last rank's end), ``median_s``,
-    ``sent`` (bytes each rank sent in its last step, from the trace) and ``padded_numels``
-    (the flat buffers a step moves, for ``ring_communication_seconds``)."""
+    ``timeline`` (the last step's events, ``Timeline.window``), ``sent`` (bytes each rank
+    sent in it) and ``padded_numels`` (the flat buffers a step moves, for
+    ``ring_communication_seconds``)."""
     check_arguments(hidden=hidden, depth=depth, batch_size=batch_size, steps=steps)
     if compute_s:
         check_seconds("compute_s", compute_s)
@@ -215,8 +216,9 @@ def time_stages(cluster, stages=STAGES, hidden=512, depth=4, batch_size=4, steps
             raise ValueError(f"stages must be ZeRO stages 0 to 3, got {stage!r}.")
         timeline = cluster.trace(_train_stage, STAGE_ENGINES[stage], hidden, depth, batch_size, 1 + steps, compute_s)
         seconds = [timeline.window("step", index).duration for index in range(1, 1 + steps)]
+        last = timeline.window("step")
         rows.append({"stage": stage, "engine": STAGE_ENGINES[stage], "seconds": seconds,
-                     "median_s": statistics.median(seconds), "sent": timeline.window("step").bytes_sent(),
+                     "median_s": statistics.median(seconds), "timeline": last, "sent": last.bytes_sent(),
                      "padded_numels": timeline.results[0]})
     return rows
 

@@ -5,6 +5,7 @@
     train(engine, batch, steps)          steps on this rank's shard of the batch, each a trace span "step"
     train_and_measure(name, ...)         on every rank: train the lecture's model, measure what it holds
     train_one_process(...)               the single-process reference (and the ranks' arithmetic)
+    start_from_different_weights()       on every rank: which initial weights each engine keeps
     mlp(sizes), lecture_model(), lecture_batch()
 
 Every engine answers ``engine(inputs)``, ``zero_grad()``, ``step()`` (after ``backward``),
@@ -176,15 +177,26 @@ def train_and_measure(name, steps=LECTURE_STEPS, lr=LECTURE_LR, **options):
     ``state`` (ModelState at rest, after the last step), ``parameters`` (full, on every rank),
     ``losses`` (of each step); for parlab's engines also ``padded`` (elements of the flat
     buffers a step moves) and ``held_after_forward`` (bytes of full-size parameters still
-    allocated when the engine's forward has returned)."""
+    allocated when the engine's forward has returned); for FSDP also ``gathered`` ((dtype,
+    bytes) of each unit's full buffer while the unit computes, in the first forward) and
+    ``dtypes`` (of the shards, their gradients and the optimizer state)."""
     engine = build_engine(name, lecture_model(), lr, **options)
-    held = []  # a hook on the engine fires when its whole forward has returned
-    if name in PARLAB_ENGINES:
+    held, gathered = [], []
+    if name in PARLAB_ENGINES:  # a hook on the engine fires when its whole forward has returned
         engine.register_forward_hook(lambda module, args, output: held.append(full_parameter_bytes(engine)))
+    for unit in getattr(engine, "units", []):  # a unit's own pre-hook runs after FSDP's gather
+        unit.module.register_forward_pre_hook(lambda module, args, unit=unit: gathered.append(
+            (unit.full.dtype, unit.full.untyped_storage().nbytes())))
     losses = train(engine, lecture_batch(), steps)
     result = dict(state=engine.model_state_bytes(), parameters=engine.full_parameters(), losses=losses)
     if name in PARLAB_ENGINES:
         result.update(padded=sum(padded_numels(engine)), held_after_forward=held[-1])
+    if isinstance(engine, FSDP):
+        optimizer_state = [v for state in engine.optimizer.state.values() for v in state.values() if v.dim()]
+        result.update(gathered=gathered[:len(engine.units)], dtypes={
+            "shards": {str(unit.shard.dtype) for unit in engine.units},
+            "gradients": {str(unit.shard.grad.dtype) for unit in engine.units},
+            "optimizer state": {str(v.dtype) for v in optimizer_state}})
     return result
 
 
@@ -229,6 +241,32 @@ def train_one_process(steps=LECTURE_STEPS, lr=LECTURE_LR, shards=1, order=None, 
         optimizer.step()
     per_step = [sum(losses[i:i + shards]) / shards for i in range(0, len(losses), shards)]
     return {name: p.detach() for name, p in model.named_parameters()}, per_step
+
+
+def start_from_different_weights():
+    """On every rank: build the lecture's model from the rank's own seed, wrap it, and say which
+    weights the rank then holds: {engine: the labels among "rank 0's", "its own" and "chunk r of
+    rank r's" (every parameter's rows cut in N chunks, chunk r as rank r built it) that its
+    full parameters equal}. Shows who broadcasts at construction: torch's DDP and parlab's
+    engines do; ZeroRedundancyOptimizer and fully_shard do not."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    rank, N = dist.get_rank(), dist.get_world_size()
+    built = [dict(mlp(LECTURE_SIZES, seed=seed).named_parameters()) for seed in range(N)]
+    patchwork = {name: torch.cat([weights[name].chunk(N)[r] for r, weights in enumerate(built)]) for name in built[0]}
+    candidates = {"rank 0's": built[0], "its own": built[rank], "chunk r of rank r's": patchwork}
+    held = {}
+    model = mlp(LECTURE_SIZES, seed=rank)
+    nn.parallel.DistributedDataParallel(model)
+    held["torch DistributedDataParallel(model)"] = dict(model.named_parameters())
+    model = mlp(LECTURE_SIZES, seed=rank)
+    ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam)
+    held["torch ZeroRedundancyOptimizer(params)"] = dict(model.named_parameters())
+    for name in ("torch fully_shard", "ZeroDP stage 1", "FSDP FULL_SHARD"):
+        held[name] = build_engine(name, mlp(LECTURE_SIZES, seed=rank)).full_parameters()
+    return {engine: [label for label, weights in candidates.items()
+                     if all(torch.equal(parameters[name], weights[name]) for name in weights)]
+            for engine, parameters in held.items()}
 
 
 def ring_arithmetic(n_d, steps=LECTURE_STEPS, start=None):
