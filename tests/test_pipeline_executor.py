@@ -192,6 +192,20 @@ def test_sleep_stages_send_messages_of_the_activation_bytes_asked_for(cluster2):
         sleep_pipeline_step(gpipe(1, 2), 0.0, 0.0, activation_bytes=0)
 
 
+def test_a_checkpointed_sleep_stage_sleeps_its_forward_again_in_backward():
+    """checkpoint="except_last" on one rank: micro-batches 0 and 1 are recomputed in B (t_f
+    then t_b). A sleep never ends early, and t_f is 10 x t_b, so a B that did not recompute
+    cannot pass for one that did."""
+    trace.start(0)
+    try:
+        sleep_pipeline_step(gpipe(1, 3), 0.05, 0.005, checkpoint="except_last")
+    finally:
+        events = trace.stop()
+    backward = {m: (end - start) / 1e9 for _, _, name, start, end, _, _, _, m in events if name == "backward"}
+    assert sorted(backward) == [0, 1, 2]
+    assert backward[0] >= 0.055 and backward[1] >= 0.055 and backward[2] >= 0.005
+
+
 def torch_and_parlab_gradients(schedule_name, M):
     """The MLP's gradients after one step of torch's ScheduleGPipe / Schedule1F1B and after
     one step of parlab's executor, on this rank's stage."""

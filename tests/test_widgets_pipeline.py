@@ -9,10 +9,13 @@ import sys
 import matplotlib
 import pytest
 
-from parlab.pipeline import Schedule, bubble_fraction, make_schedule, one_f_one_b, simulate
+from parlab.pipeline import Schedule, bubble_fraction, gpipe, make_schedule, one_f_one_b, simulate
+from parlab.pipeline.measure import BubbleMeasurement
 from parlab.widgets.pipeline import (
     measure_schedule,
+    plot_bubble_measurement,
     plot_measured,
+    plot_microbatch_tradeoff,
     readout_html,
     schedule_figure,
     schedule_widget,
@@ -163,6 +166,31 @@ def test_without_ipywidgets_the_widget_is_the_static_figure(monkeypatch):
     with pytest.warns(UserWarning, match="ipywidgets is not installed"):
         figure = schedule_widget(name="gpipe", K=2, M=3)
     assert isinstance(figure, Figure) and "gpipe" in figure.axes[0].get_title()
+
+
+def test_a_measurement_draws_its_simulation_above_it_on_one_time_axis():
+    simulation = simulate(gpipe(2, 3), 0.01, 0.02)
+    late = simulate(gpipe(2, 3), 0.01, 0.02, t_comm=0.005).timeline  # as if measured: a longer step
+    figure = plot_bubble_measurement(BubbleMeasurement(gpipe(2, 3), late, simulation, 0.0, 0.001))
+    above, below = figure.axes
+    assert "(simulated)" in above.get_title() and below.get_title().startswith("measured on 2 ranks")
+    assert above.get_xlim() == below.get_xlim() and above.get_xlim()[1] >= late.duration * 1e3
+
+
+def test_the_tradeoff_figure_puts_each_measurement_beside_its_simulation():
+    sweep = [BubbleMeasurement(gpipe(2, M), simulate(gpipe(2, M), t, 2 * t).timeline, simulate(gpipe(2, M), t, 2 * t),
+                               0.0, 0.001) for M, t in ((1, 0.03), (2, 0.02))]
+    real = [{"M": M, "step": 0.1 * M, "timeline": simulate(gpipe(2, M), 1, 1).timeline} for M in (1, 2)]
+    alone = {1: 0.009, 2: 0.006}
+    left, right = plot_microbatch_tradeoff(sweep, real, alone, batch=8).axes
+    (simulated, measured) = left.get_lines()
+    assert list(simulated.get_ydata()) == pytest.approx([m.simulated_step * 1e3 for m in sweep])
+    assert list(measured.get_ydata()) == pytest.approx([m.measured_step * 1e3 for m in sweep])
+    (from_alone, real_measured) = right.get_lines()
+    # GPipe, K = 2: (M + K - 1) (t_F + t_B) = (M + 1) t(b)
+    assert list(from_alone.get_ydata()) == pytest.approx([2 * 9, 3 * 6])
+    assert list(real_measured.get_ydata()) == pytest.approx([100, 200])
+    assert "B = 8" in right.get_title() and "emulated" in left.get_title()
 
 
 # --- measured on real ranks ------------------------------------------------------------------------

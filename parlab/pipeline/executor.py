@@ -340,13 +340,14 @@ def _restored_rng(state, device):
         yield
 
 
-def sleep_pipeline_step(schedule, t_f, t_b, t_w=0.0, activation_bytes=4):
+def sleep_pipeline_step(schedule, t_f, t_b, t_w=0.0, activation_bytes=4, checkpoint=None):
     """Run one step of ``schedule`` on this rank with stages that only sleep (a
     ``SleepLayer`` each: t_f in F, t_b in B, t_w in W), so that a traced step shows the
     schedule's timeline with these per-stage times. Each micro-batch is one sample of
     ``activation_bytes`` bytes (fp32, so a multiple of 4): every activation and every
     gradient between stages is a message of that size, which an emulated link charges
-    alpha + activation_bytes beta. Call it on every rank, e.g.
+    alpha + activation_bytes beta. ``checkpoint`` as for ``PipelineExecutor``: a checkpointed
+    micro-batch's B sleeps t_f again (the recomputed forward), then t_b. Call it on every rank, e.g.
     ``cluster.trace(sleep_pipeline_step, schedule, 0.02, 0.02)``. Returns what
     ``PipelineExecutor.step`` returns."""
     if t_w and not schedule.has_weight_actions:
@@ -360,7 +361,7 @@ def sleep_pipeline_step(schedule, t_f, t_b, t_w=0.0, activation_bytes=4):
     rank = dist.get_rank() if dist.is_initialized() else 0
     stages = {s: SleepLayer(t_f, t_b, t_w) for s in schedule.stages_of(rank)}
     M, device, features = schedule.num_microbatches, runtime.device(), activation_bytes // 4
-    executor = PipelineExecutor(schedule, stages, torch.nn.functional.mse_loss)
+    executor = PipelineExecutor(schedule, stages, torch.nn.functional.mse_loss, checkpoint)
     # the input requires grad so that stage 0's B takes t_b like every other stage's
     return executor.step(torch.zeros(M, features, device=device, requires_grad=True),
                          torch.zeros(M, features, device=device))

@@ -5,6 +5,9 @@ bubble and activation memory, and the same schedule measured on real ranks.
     schedule_figure(name, K, M, v, tb_over_tf, tw_over_tf)     simulated Gantt chart and its readouts
     measure_schedule(cluster, schedule, t_f, t_b, t_w)         a traced step of sleeping stages
     plot_measured(timeline, ax=None)                           the measured Gantt chart and bubble
+    plot_bubble_measurement(measurement)                       a measured step below its simulation, one time axis
+    plot_microbatch_tradeoff(sweep, real, alone, batch)        step time against M: emulated and real, each
+                                                               beside its simulation
     schedule_widget(cluster=None)                              sliders and a "run on the cluster" button
 
 Times are ratios to t_F, the forward of one micro-batch through one rank's share of the
@@ -105,6 +108,54 @@ def plot_measured(timeline, ax=None):
     title = f"measured on {timeline.world_size} ranks: bubble {bubble_fraction(timeline):.1%}, " \
             f"step {timeline.duration * 1e3:.0f} ms"
     return timeline.plot(ax=ax, title=title)
+
+
+def plot_bubble_measurement(measurement):
+    """A ``parlab.pipeline.measure.BubbleMeasurement`` drawn as two Gantt charts on one time
+    axis: the simulated step (with the link's time per message) above the measured one.
+    Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    K = measurement.schedule.num_ranks
+    fig, (above, below) = plt.subplots(2, 1, figsize=figure_size(K, 2), layout="constrained")
+    measurement.simulation.plot(ax=above)
+    above.set_xlabel("time (s)")
+    plot_measured(measurement.timeline, below)
+    end = max(ax.get_xlim()[1] for ax in (above, below))  # both axes are in ms underneath: one scale for both
+    for ax in (above, below):
+        ax.set_xlim(0, end)
+    return fig
+
+
+def plot_microbatch_tradeoff(sweep, real, alone, batch):
+    """Step time against the number of micro-batches M, GPipe. Left: ``sweep`` (the
+    ``BubbleMeasurement``s of ``parlab.pipeline.measure.microbatch_sweep``, emulated stages of
+    declared t(b)), measured and simulated. Right: ``real`` (the rows of
+    ``gpipe_step_times``, real stages in real time) measured, beside the simulator fed with
+    ``alone`` ({M: t(b)} of ``one_stage_costs``, split 1 : 2 into t_F and t_B) for a
+    batch of ``batch`` samples. Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    from parlab.pipeline import gpipe
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
+    Ms = [m.schedule.num_microbatches for m in sweep]
+    left.plot(Ms, [m.simulated_step * 1e3 for m in sweep], "k--", label="simulated")
+    left.plot(Ms, [m.measured_step * 1e3 for m in sweep], "o-", label="measured")
+    left.set_title(f"emulated device and link, K = {sweep[0].schedule.num_ranks}", fontsize=10)
+    K = real[0]["timeline"].world_size
+    simulated = [float(simulate(gpipe(K, row["M"]), alone[row["M"]] / 3, 2 * alone[row["M"]] / 3).step_time)
+                 for row in real]
+    right.plot([row["M"] for row in real], [s * 1e3 for s in simulated], "k--", label="simulated from t(b) alone")
+    right.plot([row["M"] for row in real], [row["step"] * 1e3 for row in real], "o-", label="measured")
+    right.set_title(f"this machine, real time, K = {K}, B = {batch}", fontsize=10)
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("micro-batches M")
+        ax.set_ylabel("step time (ms)")
+        ax.legend(fontsize=8)
+    return fig
 
 
 def readout_html(readouts, measured_bubble=None):
