@@ -177,6 +177,18 @@ def test_a_measurement_draws_its_simulation_above_it_on_one_time_axis():
     assert above.get_xlim() == below.get_xlim() and above.get_xlim()[1] >= late.duration * 1e3
 
 
+def test_the_measured_chart_leaves_out_a_callers_step_span():
+    from parlab.trace import COMPUTE, Timeline
+
+    s = 10**9
+    events = [(0, COMPUTE, "forward", 1 * s, 2 * s, None, 0, 0, 0),
+              (0, COMPUTE, "backward", 3 * s, 5 * s, None, 0, 0, 0),
+              (0, COMPUTE, "step", 0, 6 * s, None, 0, None, None)]
+    ax = plot_measured(Timeline(events, 1))
+    assert "step" not in [text.get_text() for text in ax.get_legend().get_texts()]
+    assert "step 4000 ms" in ax.get_title()  # the actions' makespan, 1 s to 5 s, not the step span's 6 s
+
+
 def test_the_tradeoff_figure_puts_each_measurement_beside_its_simulation():
     sweep = [BubbleMeasurement(gpipe(2, M), simulate(gpipe(2, M), t, 2 * t).timeline, simulate(gpipe(2, M), t, 2 * t),
                                0.0, 0.001) for M, t in ((1, 0.03), (2, 0.02))]

@@ -21,7 +21,16 @@ import html
 import textwrap
 
 from parlab._checks import real_number, whole_number
-from parlab.pipeline import bubble_formula, bubble_fraction, bubble_ratio_playbook, make_schedule, simulate
+from parlab.pipeline import (
+    action_makespan,
+    bubble_formula,
+    bubble_fraction,
+    bubble_ratio_playbook,
+    make_schedule,
+    simulate,
+)
+from parlab.pipeline.simulate import EVENT_NAMES
+from parlab.trace import COMM, Timeline
 from parlab.widgets._common import (
     FIT,
     Feedback,
@@ -103,11 +112,14 @@ def measure_schedule(cluster, schedule, t_f, t_b, t_w=0.0, timeout=60, on_step=N
 
 
 def plot_measured(timeline, ax=None):
-    """The measured Gantt chart of a traced pipeline step (``parlab.viz.plot_timeline``:
-    compute above, transfers below, ms), titled with its ``bubble_fraction``."""
+    """The measured Gantt chart of a traced pipeline step (``parlab.viz.plot_timeline``: the
+    schedule's actions above, transfers below, ms; other compute spans, such as a caller's
+    "step", are left out), titled with its ``bubble_fraction`` and ``action_makespan``."""
+    shown = Timeline([], timeline.world_size, timeline.results, regime=timeline.regime)
+    shown.events = [ev for ev in timeline.events if ev.kind == COMM or ev.name in EVENT_NAMES.values()]
     title = f"measured on {timeline.world_size} ranks: bubble {bubble_fraction(timeline):.1%}, " \
-            f"step {timeline.duration * 1e3:.0f} ms"
-    return timeline.plot(ax=ax, title=title)
+            f"step {action_makespan(timeline) * 1e3:.0f} ms"
+    return shown.plot(ax=ax, title=title)
 
 
 def plot_bubble_measurement(measurement):
