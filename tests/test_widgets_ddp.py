@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from parlab.ddp import MB
-from parlab.widgets.ddp import bucket_widget, plot_buckets
+from parlab.widgets.ddp import bucket_widget, plot_bucket_sweep, plot_buckets
 
 matplotlib.use("Agg")
 N_D, ALPHA, BETA = 2, 1e-3, 1e-6  # 1 ms per message, 1 ms per KB: round numbers to compute by hand
@@ -75,7 +75,25 @@ def test_bucket_widget_redraws_and_updates_its_readout_on_a_slider_move():
     assert slider.description == "bucket_cap_mb (MiB)" and feedback.children[0].value == ""
 
 
+def sweep_rows():
+    return [dict(bucket_cap_mb=cap, buckets=buckets, median_s=seconds)
+            for cap, buckets, seconds in ((0.5, 8, 0.3), (2, 2, 0.2), (8, 1, 0.4))]
+
+
+@pytest.mark.timeout(30)
+def test_the_sweep_plot_puts_each_measured_cap_beside_the_model_with_its_buckets():
+    ax = plot_bucket_sweep(sweep_rows(), [0.25, 0.2, 0.35])
+    measured, model = ax.get_lines()
+    assert list(measured.get_xdata()) == [0.5, 2, 8] and list(measured.get_ydata()) == pytest.approx([300, 200, 400])
+    assert list(model.get_ydata()) == pytest.approx([250, 200, 350]) and model.get_linestyle() == "--"
+    assert [text.get_text() for text in ax.texts] == ["8", "2", "1"]
+    assert ax.get_xscale() == "log"
+
+
 @pytest.mark.parametrize("call, message", [
+    (lambda: plot_bucket_sweep(sweep_rows(), [0.1]), "one model time per row"),
+    (lambda: plot_bucket_sweep([dict(bucket_cap_mb=None, buckets=1, median_s=0.1)], [0.1]),
+     "a bucket_cap_mb in every row"),
     (lambda: bucket_widget(three_layers(), bucket_cap_mb=0),
      "bucket_cap_mb .* must be above 0 .*, got 0: the bucket slider has a log scale"),
     (lambda: bucket_widget(three_layers(), N_d=0), "N_d .the data-parallel degree. must be a whole number"),

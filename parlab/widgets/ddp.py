@@ -3,6 +3,7 @@ their communication the backward pass hides.
 
     plot_buckets(model, bucket_cap_mb, N_d, alpha, beta, ...)   parameters, buckets and overlap, one figure
     bucket_widget(model, N_d, alpha, beta, backward_seconds)     a bucket-cap slider over plot_buckets
+    plot_bucket_sweep(rows, model_s, ax=None)                     measured step time per bucket cap, and the model's
 
 The figures draw ``parlab.ddp_model.bucket_overlap``: the buckets of ``parlab.ddp.assign_buckets``,
 the plan the DDP wrapper uses, and each bucket's ring all-reduce over N_d ranks.
@@ -91,6 +92,33 @@ def bucket_widget(model, N_d=N_D, alpha=ALPHA, beta=BETA, backward_seconds=0.01,
     redraw()
     show_static(image.value, f"the buckets of {bucket_cap_mb:.3g} MiB")
     return widgets.VBox([cap, readout, feedback.box, image])
+
+
+def plot_bucket_sweep(rows, model_s, ax=None, label="measured"):
+    """Step time (ms) against bucket cap (MiB, log scale): ``rows`` of
+    ``parlab.bench.ddp_steps.measure_ddp_steps`` (one per cap) as measured points, each
+    annotated with its number of buckets, and ``model_s`` (the model's seconds for the same
+    rows, e.g. ``predicted_steps``) as a dashed line. Returns the axes."""
+    import matplotlib.pyplot as plt
+
+    if len(model_s) != len(rows) or not rows or any(row["bucket_cap_mb"] is None for row in rows):
+        raise ValueError("plot_bucket_sweep needs one model time per row and a bucket_cap_mb in every row: pass the "
+                         "rows of a sweep over ('bucketed', cap) and the model's times for the same rows.")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 3.6), layout="constrained")
+    caps = [row["bucket_cap_mb"] for row in rows]
+    ax.plot(caps, [row["median_s"] * 1e3 for row in rows], "o-", label=label)
+    ax.plot(caps, [t * 1e3 for t in model_s], "k--", label="model: parlab.ddp_model.predict_step")
+    for row in rows:
+        ax.annotate(str(row["buckets"]), (row["bucket_cap_mb"], row["median_s"] * 1e3), textcoords="offset points",
+                    xytext=(0, 6), ha="center", fontsize=7)
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("bucket_cap_mb (MiB)")
+    ax.set_ylabel("step time (ms)")
+    ax.set_title("step time against bucket size (numbers: buckets per step)", fontsize=10)
+    ax.legend(fontsize=8, loc="lower left")
+    return ax
 
 
 def _buckets(count, bold=False):
