@@ -3,8 +3,7 @@ wrapper's own plan, parlab.ddp_model's timing) and the widget answering its slid
 
 import matplotlib
 import pytest
-import torch
-from torch import nn
+from test_ddp_model import three_layers
 
 from parlab.ddp import MB
 from parlab.widgets.ddp import bucket_widget, plot_bucket_sweep, plot_buckets
@@ -19,15 +18,6 @@ def close_figures():
 
     yield
     plt.close("all")
-
-
-def three_layers():
-    """Trainable parameters, registration order: 0.weight 4x4, 0.bias 4, 1.weight 2x4,
-    1.bias 2 (64, 16, 32, 8 bytes), then a frozen layer that DDP leaves out."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(2, 2))
-    model[2].requires_grad_(False)
-    return model
 
 
 # --- the figure and the widget ----------------------------------------------------------------
