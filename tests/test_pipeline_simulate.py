@@ -130,15 +130,14 @@ def test_the_timeline_has_one_compute_event_per_action_in_seconds():
     assert bubble_fraction(simulation.timeline) == pytest.approx(simulation.bubble_fraction, abs=1e-9)
 
 
+S = 10**9  # nanoseconds per second: a Timeline's raw events are in ns
+# Two ranks, makespan 1 s to 5 s (4 s): rank 0 computes 2 s, rank 1 3 s. Bubble = 1 - 5 / (2 x 4).
+ACTIONS = [(0, COMPUTE, "forward", 1 * S, 2 * S, None, 0, 0, 0), (0, COMPUTE, "backward", 4 * S, 5 * S, None, 0, 0, 0),
+           (1, COMPUTE, "forward", 2 * S, 3 * S, None, 0, 1, 0), (1, COMPUTE, "backward", 3 * S, 5 * S, None, 0, 1, 0)]
+
+
 def test_bubble_fraction_of_a_measured_timeline_counts_compute_only():
-    # Two ranks, makespan 1 s to 5 s (4 s): rank 0 computes 2 s, rank 1 3 s; the transfer
-    # does not count as work. Bubble = 1 - 5 / (2 x 4).
-    s = 10**9
-    events = [(0, COMPUTE, "forward", 1 * s, 2 * s, None, 0, 0, 0),
-              (0, COMPUTE, "backward", 4 * s, 5 * s, None, 0, 0, 0),
-              (1, COMPUTE, "forward", 2 * s, 3 * s, None, 0, 1, 0),
-              (1, COMPUTE, "backward", 3 * s, 5 * s, None, 0, 1, 0),
-              (0, COMM, "send", 0, 6 * s, 1, 64, None, None)]
+    events = ACTIONS + [(0, COMM, "send", 0, 6 * S, 1, 64, None, None)]  # a transfer is not work
     assert bubble_fraction(Timeline(events, 2)) == pytest.approx(1 - 5 / 8, abs=1e-12)
     assert action_makespan(Timeline(events, 2)) == pytest.approx(4, abs=1e-12)
     with pytest.raises(ValueError, match="no forward, backward or weight spans"):
@@ -148,15 +147,9 @@ def test_bubble_fraction_of_a_measured_timeline_counts_compute_only():
 def test_a_step_span_around_the_actions_is_not_work():
     # A caller marks its steps with trace.span("step") (for Timeline.window); the span
     # covers the actions and the idle time between them, so counted as work it would make
-    # every rank busy all the time. Same timeline as above, plus a step span per rank.
-    s = 10**9
-    events = [(0, COMPUTE, "forward", 1 * s, 2 * s, None, 0, 0, 0),
-              (0, COMPUTE, "backward", 4 * s, 5 * s, None, 0, 0, 0),
-              (1, COMPUTE, "forward", 2 * s, 3 * s, None, 0, 1, 0),
-              (1, COMPUTE, "backward", 3 * s, 5 * s, None, 0, 1, 0),
-              (0, COMPUTE, "step", 0, 6 * s, None, 0, None, None),
-              (1, COMPUTE, "step", 0, 6 * s, None, 0, None, None)]
-    timeline = Timeline(events, 2)
+    # every rank busy all the time.
+    steps = [(rank, COMPUTE, "step", 0, 6 * S, None, 0, None, None) for rank in range(2)]
+    timeline = Timeline(ACTIONS + steps, 2)
     assert bubble_fraction(timeline) == pytest.approx(1 - 5 / 8, abs=1e-12)
     assert action_makespan(timeline) == pytest.approx(4, abs=1e-12)
     assert bubble_fraction(timeline.window()) == pytest.approx(1 - 5 / 8, abs=1e-12)
