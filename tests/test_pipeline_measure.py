@@ -67,6 +67,11 @@ def test_a_measured_step_on_an_emulated_link(cluster2):
     assert measurement.overhead_s >= -1e-6 and measurement.measured_step >= measurement.simulated_step - 1e-6
     with pytest.raises(ValueError, match="the cluster has 2 ranks and the schedule K = 4"):
         measure_bubble(cluster2, gpipe(4, 4), 0.001, 0.001)
+    with pytest.raises(ValueError, match="attempts must be a whole number >= 1"):
+        measure_bubble(cluster2, gpipe(2, 2), 0.001, 0.001, attempts=0)
+    with cluster2.emulate(devices=parlab.Devices(slowdown={1: 3.0})):
+        with pytest.raises(ValueError, match="emulates slower or straggling devices"):
+            measure_bubble(cluster2, gpipe(2, 2), 0.001, 0.001)
 
 
 def test_the_sweep_declares_t_of_b_and_the_activation_of_b_samples(cluster2):

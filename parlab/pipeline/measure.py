@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from parlab import trace
+from parlab._checks import whole_number
 from parlab.pipeline.executor import PipelineExecutor, sleep_pipeline_step
 from parlab.pipeline.schedule import Schedule, gpipe, make_schedule
 from parlab.pipeline.simulate import action_makespan, bubble_formula, bubble_fraction, simulate
@@ -118,6 +119,11 @@ def measure_bubble(cluster, schedule, t_f, t_b, t_w=0.0, activation_bytes=4, att
     if cluster.world_size != schedule.num_ranks:
         raise ValueError(f"the cluster has {cluster.world_size} ranks and the schedule K = {schedule.num_ranks}: make "
                          f"the schedule for K = {cluster.world_size}.")
+    if cluster.regime.devices is not None:
+        raise ValueError("the simulator gives every stage its declared time, but this cluster emulates slower or "
+                         "straggling devices: measure outside `with cluster.emulate(devices=...)`, or on a cluster "
+                         "without devices=.")
+    whole_number("attempts", attempts, "give how many steps may be measured, at least 1, e.g. 2.")
     t_comm = link_time(cluster.regime.network, activation_bytes)
     times = (t_f, t_b, t_w)
     short = tuple(t / YARDSTICK_SHORTER for t in times)
