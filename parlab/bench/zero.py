@@ -23,9 +23,9 @@ parlab is faster) and ``ratio["bytes"]`` (below 1, parlab holds less).
 
 Emulated (``--link LATENCY,BANDWIDTH``, e.g. ``--link 200us,25MB/s``): what each stage costs in
 communication. On each world size, parlab's stages 0, 1, 2 (ZeroDP) and 3 (FSDP FULL_SHARD,
-a unit per Linear) train the MLP (``--hidden`` 512 by default here) with a declared compute
-of ``--compute-ms`` per step (emulated: the CPU is released), small beside the communication,
-under that link, then the same in real time. Per stage: the median step (from the first
+a unit per Linear) train the MLP (``--hidden`` 512 by default here), taking their steps in
+turn, with a declared compute of ``--compute-ms`` per step (emulated: the CPU is released),
+small beside the communication, under that link, then the same in real time. Per stage: the median step (from the first
 rank's start to the last rank's end), the bytes each rank sent in a step (counted in the
 trace) beside ``ring_traffic_bytes``, and the alpha-beta model, compute +
 ``ring_communication_seconds``. Ratios here are time of stage s / time of stage 0: measured,
@@ -64,7 +64,6 @@ from parlab.bench.zero_engines import (
     random_batch,
     rank_shard,
     take_step,
-    train,
 )
 from parlab.memory import (
     FP32_ADAM,
@@ -199,34 +198,41 @@ def measure_engines(names, steps, sizes, batch_size):
 
 def time_stages(cluster, stages=STAGES, hidden=512, depth=4, batch_size=4, steps=3, compute_s=0.0):
     """Step times of parlab's ZeRO ``stages`` (``STAGE_ENGINES``) on ``cluster``, in its
-    current regime (inside ``with cluster.emulate(link=...):`` for an emulated link). Each
-    stage trains the MLP of ``depth`` Linear layers of ``hidden`` x ``hidden`` with fp32 Adam,
-    ``batch_size`` samples per rank, ``compute_s`` of declared compute per step, one warm-up
-    step and ``steps`` timed ones. Returns one dict per stage: ``stage``, ``engine``,
+    current regime (inside ``with cluster.emulate(link=...):`` for an emulated link). An
+    engine per stage trains the MLP of ``depth`` Linear layers of ``hidden`` x ``hidden`` with
+    fp32 Adam, ``batch_size`` samples per rank, ``compute_s`` of declared compute per step; the
+    engines take their steps in turn (so that a noisy neighbour slows them all alike), one to
+    warm up and ``steps`` timed ones each. Returns one dict per stage: ``stage``, ``engine``,
     ``seconds`` (each step from the first rank's start to the last rank's end), ``median_s``,
-    ``timeline`` (the last step's events, ``Timeline.window``), ``sent`` (bytes each rank
-    sent in it) and ``padded_numels`` (the flat buffers a step moves, for
+    ``timeline`` (its last step's events, ``Timeline.window``), ``sent`` (bytes each rank sent
+    in it) and ``padded_numels`` (the flat buffers a step moves, for
     ``ring_communication_seconds``)."""
     check_arguments(hidden=hidden, depth=depth, batch_size=batch_size, steps=steps)
     if compute_s:
         check_seconds("compute_s", compute_s)
-    rows = []
     for stage in stages:
         if stage not in STAGES:
             raise ValueError(f"stages must be ZeRO stages 0 to 3, got {stage!r}.")
-        timeline = cluster.trace(_train_stage, STAGE_ENGINES[stage], hidden, depth, batch_size, 1 + steps, compute_s)
-        seconds = [timeline.window("step", index).duration for index in range(1, 1 + steps)]
-        last = timeline.window("step")
-        rows.append({"stage": stage, "engine": STAGE_ENGINES[stage], "seconds": seconds,
-                     "median_s": statistics.median(seconds), "timeline": last, "sent": last.bytes_sent(),
-                     "padded_numels": timeline.results[0]})
+    names = [STAGE_ENGINES[stage] for stage in stages]
+    timeline = cluster.trace(_train_in_turn, names, hidden, depth, batch_size, 1 + steps, compute_s)
+    rows = []
+    for index, (stage, name) in enumerate(zip(stages, names)):
+        windows = [timeline.window("step", step * len(names) + index) for step in range(1, 1 + steps)]
+        seconds = [window.duration for window in windows]
+        rows.append({"stage": stage, "engine": name, "seconds": seconds, "median_s": statistics.median(seconds),
+                     "timeline": windows[-1], "sent": windows[-1].bytes_sent(),
+                     "padded_numels": timeline.results[0][index]})
     return rows
 
 
-def _train_stage(name, hidden, depth, batch_size, steps, compute_s):
-    engine = build_engine(name, mlp([hidden] * (depth + 1)), LR)
-    train(engine, random_batch(batch_size * dist.get_world_size(), hidden, hidden), steps, compute_s)
-    return padded_numels(engine)
+def _train_in_turn(names, hidden, depth, batch_size, steps, compute_s):
+    engines = [build_engine(name, mlp([hidden] * (depth + 1)), LR) for name in names]
+    inputs, targets = rank_shard(random_batch(batch_size * dist.get_world_size(), hidden, hidden))
+    for _ in range(steps):
+        for engine in engines:
+            dist.barrier()  # the ranks start each step together
+            take_step(engine, inputs, targets, compute_s)
+    return [padded_numels(engine) for engine in engines]
 
 
 def stage_model(row, world_size, link, compute_s):
