@@ -1,6 +1,6 @@
 """Why one process per replica beats one thread per replica: the GIL, measured on the CPU.
 
-``nn.DataParallel`` drives K model replicas from K threads of one Python process. Each
+``nn.DataParallel`` drives N_d model replicas from N_d threads of one Python process. Each
 replica's training step spends much of its time in the Python interpreter (module calls,
 autograd bookkeeping, the per-parameter optimizer loop), and only one thread at a time may
 run Python bytecode: the global interpreter lock (GIL) serialises that part.
@@ -8,14 +8,14 @@ DistributedDataParallel runs one process per replica, each with its own interpre
 
 This module measures that effect without a GPU. A *replica* trains its own copy of a model
 of many tiny layers (``make_model``) for a fixed number of steps on one intra-op thread, so
-a step costs mostly Python overhead rather than arithmetic. K replicas run either
+a step costs mostly Python overhead rather than arithmetic. N_d replicas run either
 
-- in K threads of this process (``threads_throughput``), or
-- in K ranks of a ``parlab.Cluster``, one process each (``processes_throughput``),
+- in N_d threads of this process (``threads_throughput``), or
+- in N_d ranks of a ``parlab.Cluster``, one process each (``processes_throughput``),
 
 and the result is the throughput: replica-steps per second of wall-clock time, from the
 moment all replicas start their timed steps until the last one finishes. Ideal scaling is
-K times the throughput of one replica, capped by the number of CPU cores.
+N_d times the throughput of one replica, capped by the number of CPU cores.
 """
 
 import threading
@@ -115,13 +115,13 @@ def processes_throughput(cluster, replicas, steps):
 
 
 def compare(cluster, replica_counts=(1, 2, 4), steps=20, repeats=4):
-    """Measure both arrangements for each K in ``replica_counts``.
+    """Measure both arrangements for each N_d in ``replica_counts``.
 
     Every measurement is repeated ``repeats`` times and the best kept (as ``timeit`` does):
     other programs on the machine can only slow a run down, never speed it up. The repeats
     take turns, one of each configuration per round, so that a burst of outside load cannot
     spoil all the runs of one configuration. Returns ``{"threads": [...], "processes": [...]}``:
-    throughputs in replica-steps per second, one per K, in the order of ``replica_counts``.
+    throughputs in replica-steps per second, one per N_d, in the order of ``replica_counts``.
     """
     whole_number("repeats", repeats, "measure each configuration at least once; the best run is kept.")
     best = {"threads": [0.0] * len(replica_counts), "processes": [0.0] * len(replica_counts)}

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from parlab.bench import collectives, ddp, pipeline, ratio_header, runtime, time_ratio, zero
+from parlab.bench import collectives, ddp, emulation, pipeline, ratio_header, runtime, time_ratio, zero
 from parlab.cli import BENCHES
 
 CONVENTION = re.compile(r"ratio = time of parlab / time of .+ \(below 1: parlab is faster\)")
@@ -53,8 +53,14 @@ def runtime_result():
             "spawn_repeats": 1, **timings}
 
 
+def emulation_result():
+    rows = [emulation.message_row(2**20, FAST, [[0.0], [SLOW]]), emulation.compute_row(FAST, [[2 * SLOW]])]
+    return {"torch_version": "t", "cpu_count": 2, "regime": "emulated: link", "repeats": 1, "rows": rows,
+            "targets": emulation.targets(rows)}
+
+
 RESULTS = {"collectives": collectives_result, "ddp": ddp_result, "pipeline": pipeline_result, "zero": zero_result,
-           "runtime": runtime_result}
+           "runtime": runtime_result, "emulation": emulation_result}
 
 
 def test_every_bench_is_checked_here():
