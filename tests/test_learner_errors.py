@@ -103,7 +103,7 @@ CASES = {
     "plan_units of a dict": (lambda: units.plan_units({"w": torch.zeros(2)}), r"pass the model whose parameters"),
     "checkpoint of a module": (lambda: checkpoint.full_state_dict(LINEAR), r"torch.save\(module.state_dict\(\)"),
     "model_state_bytes nan psi": (lambda: memory.model_state_bytes(math.nan, 1, 8), r"give the number of parameters"),
-    "model_state_bytes text k": (lambda: memory.model_state_bytes(100, 1, 8, k="12"), r"optimizer-state bytes"),
+    "model_state_bytes text k": (lambda: memory.model_state_bytes(100, 1, 8, kappa="12"), r"optimizer-state bytes"),
     "model_state_bytes n_d nan": (lambda: memory.model_state_bytes(100, 1, math.nan), r"e.g. n_d=64"),
     "model_state_bytes stage True": (lambda: memory.model_state_bytes(100, True, 8), r"pick one of them"),
     "ring_traffic_bytes n_d 0": (lambda: memory.ring_traffic_bytes(100, 0, 4, 1), r"e.g. n_d=64"),
