@@ -297,6 +297,7 @@ def format_bubbles(result):
         f"bubble: stages that sleep {result['sleep_s'] * 1e3:g} ms per F and B (divided by v per chunk), "
         f"activations of {format_bytes(result['activation_bytes'])}, {result['regime']}; median of "
         f"{result['repeats']} traced steps. simulated: the simulator with each message's link time; allowed: twice "
-        f"what the yardstick step (stages {YARDSTICK_SHORTER}x shorter) adds beyond its simulation, as a bubble\n\n{table}"
+        f"what the yardstick step (stages {YARDSTICK_SHORTER}x shorter) adds beyond its simulation, as a "
+        f"bubble\n\n{table}"
         + ("\n\nissue 12's target:\n" + "\n".join(lines) if lines else "")
     )
