@@ -54,7 +54,7 @@ CASES = {
                                        r"pass \{s: stages\[s\] for s in schedule.stages_of\(rank\)\}"),
     "executor loss not a function": (lambda: executor.PipelineExecutor(SCHEDULE, {0: LINEAR}, "mse"),
                                      r"pass e.g. torch.nn.functional.mse_loss"),
-    "rank_grid D = 0": (lambda: grid.rank_grid(0, 2), r"D \(the number of pipelines\).*such as D = 2"),
+    "rank_grid D = 0": (lambda: grid.rank_grid(0, 2), r"N_d \(the number of pipelines\).*such as N_d = 2"),
     # --- collectives and the alpha-beta model ---------------------------------------------------
     "collective on a list": (lambda: collectives.ring_allreduce([1.0, 2.0]), r"pass one, e.g. torch.tensor"),
     "ring_steps N = 2.5": (lambda: collectives.ring_steps(2.5), r"N \(the number of ranks\).*such as N = 4"),
@@ -162,7 +162,7 @@ def grid_of_true_pipelines():
 
 
 def test_a_grid_degree_of_true_is_refused(cluster2):
-    assert all("choose D and K with D x K = 2" in message for message in cluster2.run(grid_of_true_pipelines))
+    assert all("choose N_d and K with N_d x K = 2" in message for message in cluster2.run(grid_of_true_pipelines))
 
 
 @pytest.mark.parametrize("argv, complaint", [
