@@ -42,8 +42,7 @@ from pathlib import Path
 
 import pytest
 
-from parlab import p2p
-from parlab.runtime.errors import RankError, RankTimeout
+from parlab.runtime.errors import RankError, RankTimeout, explain_size_mismatch
 
 # Covers the first test on a cluster that must start first (seconds on a busy machine).
 GRADED_TEST_TIMEOUT_S = 60
@@ -186,7 +185,7 @@ def _first_line(text):
 
 
 def _size_mismatch(exc):
-    return p2p.explain_size_mismatch(exc.failures)
+    return explain_size_mismatch(exc.failures)
 
 
 def _plan_progress(config, items):
