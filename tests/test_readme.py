@@ -62,3 +62,17 @@ def test_readme_and_doctor_say_what_to_do_about_jupyter_as_root(monkeypatch):
         assert advice in message and advice.replace(" as root", "") in note
     monkeypatch.setattr(doctor.os, "geteuid", lambda: 1000)
     assert doctor.check_user()[0] == doctor.OK
+
+
+def emulation_example():
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("## Real and emulated time\n")
+    section = readme[start : readme.index("\n## ", start + 1)]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)[0]
+
+
+@pytest.mark.timeout(120)
+def test_the_emulation_example_does_what_its_comments_say(capsys):
+    exec(compile(emulation_example(), "README.md (Real and emulated time)", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    assert printed == ["[4.0, 4.0, 4.0, 4.0]", "emulated: link 200 µs + bytes / (100 MB/s)", "True"]
