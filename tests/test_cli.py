@@ -206,3 +206,32 @@ def test_progress_bar_counts_on_stderr_and_leaves_stdout_to_the_result(capsys):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert "parlab bench demo" in captured.err and "2/2" in captured.err and "N=4, 1M" in captured.err
+
+
+@pytest.mark.timeout(10)
+def test_a_notebook_progress_bar_leaves_a_line_of_text_not_a_dead_widget(monkeypatch):
+    """In a notebook the bar is a widget shown through a display handle; closing it replaces
+    the output by text, so a saved notebook reopened without its kernel still reads."""
+    pytest.importorskip("ipywidgets")
+    import IPython.display
+
+    from parlab.runtime import progress
+
+    shown = {}
+
+    class Handle:
+        def update(self, obj, raw=False):
+            shown["output"] = obj if raw else {"text/plain": repr(obj)}
+
+    def display(obj, display_id=False):
+        shown["output"] = {"application/vnd.jupyter.widget-view+json": obj}
+        return Handle()
+
+    monkeypatch.setattr(progress, "_in_notebook", lambda: True)
+    monkeypatch.setattr(IPython.display, "display", display)
+    with progress_bar("demo", 3, unit="size") as bar:
+        assert "application/vnd.jupyter.widget-view+json" in shown["output"]
+        bar.set_postfix_str("N=4, 1M")
+        bar.update(3)
+    assert list(shown["output"]) == ["text/plain"]
+    assert shown["output"]["text/plain"].startswith("parlab bench demo: 3/3 sizes in ")

@@ -115,12 +115,13 @@ def progress(bench, message):
 
 
 def progress_bar(bench, total, unit="step"):
-    """A progress bar for a long bench: ``tqdm.auto``, so a notebook shows a bar and a terminal
-    a line on stderr (stdout keeps only the table or the JSON). Use it as a context manager;
-    ``bar.set_postfix_str(what)`` names the step under way, ``bar.update()`` counts it done."""
-    from tqdm.auto import tqdm
+    """A progress bar for a long bench (``parlab.runtime.progress``): a line on stderr in a
+    terminal (stdout keeps only the table or the JSON), a bar in a notebook that leaves one line
+    of text behind. Use it as a context manager; ``bar.set_postfix_str(what)`` names the step
+    under way, ``bar.update()`` counts it done."""
+    from ..runtime.progress import progress_bar as bar
 
-    return tqdm(total=total, desc=f"parlab bench {bench}", unit=unit, file=sys.stderr)
+    return bar(total, f"parlab bench {bench}", unit=unit)
 
 
 # Units of ``parse_link``, as parts of a second and as bytes per second: decimal, as network

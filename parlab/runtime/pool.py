@@ -317,9 +317,9 @@ class WorkerPool:
 
 
 def _progress_bar(world_size):
-    from tqdm.auto import tqdm
+    from .progress import progress_bar
 
-    return tqdm(total=world_size, desc="ranks started", unit="rank")
+    return progress_bar(world_size, "ranks started", unit="rank")
 
 
 def _signal(proc, signum, group=False):
