@@ -1,0 +1,91 @@
+"""Data parallelism x tensor parallelism: N = N_d x t ranks form a grid of N_d replicas of a
+model split over t ranks (as ``parlab.pipeline.grid`` does with pipelines).
+
+The lecture's 2 x 2 grid (N_d = 2 replicas, t = 2, N = 4 ranks):
+
+                     TP rank 0        TP rank 1
+    replica 0        rank 0  <--TP-->  rank 1         samples 0 .. B/2 - 1
+                       |                 |
+                   all-reduce        all-reduce
+                       |                 |
+    replica 1        rank 2  <--TP-->  rank 3         samples B/2 .. B - 1
+
+Layout: the rows are tensor-parallel groups, the columns data-parallel groups. Rank r of
+replica d is global rank d t + r (``rank_grid(N_d, t)[d][r]``). Tensor parallelism talks in
+every layer, on the critical path, so its group gets neighbouring ranks: on real machines
+those share a node and its fast links (Megatron-LM's order, tensor parallelism innermost).
+The data-parallel all-reduce comes once per step and can cross the slower network.
+
+One step: replica d runs forward and backward on its B/N_d samples with its row's
+collectives; then (with sequence parallelism, after the row's sum of the replicated
+parameters' gradients) each rank averages the gradients of its parameter shards over its
+column: one ring all-reduce of one flat buffer, padded with zeros to a multiple of N_d.
+Every rank then holds the full-batch gradient of its shard, as one process would.
+"""
+
+import torch
+import torch.distributed as dist
+
+from parlab import p2p, trace
+from parlab.collectives import ring_allreduce
+from parlab.flat import FlatLayout
+from parlab.pipeline.grid import rank_grid
+from parlab.tensor_parallel.model import ParallelGPT
+
+__all__ = ["TensorDataParallel", "rank_grid"]
+
+
+class TensorDataParallel:
+    """This rank's place in a grid of N_d = ``data_parallel_degree`` replicas of ``model``
+    (a ``parlab.gpt.GPT``) split over t = N / N_d ranks each (module docstring). Every rank
+    builds it, in the same order (it creates the row and column groups). The replicas start
+    from replica 0's weights (one broadcast per column).
+
+    Attributes: ``replica`` (d), ``tensor_parallel_ranks`` (this row),
+    ``data_parallel_ranks`` (this column), ``model`` (this rank's ``ParallelGPT``)."""
+
+    def __init__(self, model, data_parallel_degree, sequence_parallel=False):
+        N_d, world = data_parallel_degree, dist.get_world_size()
+        if isinstance(N_d, bool) or not isinstance(N_d, int) or N_d < 1 or world % N_d:
+            raise ValueError(f"a grid of N_d = {N_d!r} replicas needs a world of N_d x t ranks, but {world} are "
+                             f"running: choose N_d that divides {world}.")
+        t = world // N_d
+        grid = rank_grid(N_d, t)
+        columns = [[row[r] for row in grid] for r in range(t)]
+        rows = [dist.new_group(row) for row in grid]  # every rank creates every group, in one order
+        cols = [dist.new_group(column) for column in columns]
+        self.replica, r = divmod(dist.get_rank(), t)
+        self.data_parallel_degree = N_d
+        self.tensor_parallel_ranks, self.data_parallel_ranks = grid[self.replica], columns[r]
+        self.tensor_parallel_group, self.data_parallel_group = rows[self.replica], cols[r]
+        self.model = ParallelGPT(model, self.tensor_parallel_group, sequence_parallel)
+        self.parameters = list(self.model.parameters())
+        self.layout = FlatLayout([p.shape for p in self.parameters], N_d)
+        self._copy_parameters_from_replica_0()
+
+    def step(self, tokens, targets):
+        """Forward and backward of the whole batch (b sequences, b a multiple of N_d): this
+        replica's b/N_d of them, then the gradients averaged over the column. Returns the
+        replica's loss. No optimizer step."""
+        b = len(tokens)
+        if b % self.data_parallel_degree:
+            raise ValueError(f"a batch of {b} sequences does not split into N_d = {self.data_parallel_degree} equal "
+                             f"shards: use a multiple of {self.data_parallel_degree}.")
+        tokens, targets = tokens.tensor_split(self.data_parallel_degree)[self.replica], targets.tensor_split(
+            self.data_parallel_degree)[self.replica]
+        loss = self.model.loss(tokens, targets)
+        loss.backward()
+        self.model.reduce_sequence_parallel_gradients()
+        with trace.span("data-parallel all-reduce"), torch.no_grad():
+            flat = self.layout.flatten([p.grad for p in self.parameters])
+            ring_allreduce(flat, op="avg", check=False, group=self.data_parallel_group)
+            for p, averaged in zip(self.parameters, self.layout.views(flat)):
+                p.grad = averaged
+        return loss.detach()
+
+    def _copy_parameters_from_replica_0(self):
+        with torch.no_grad():
+            flat = self.layout.flatten([p.detach() for p in self.parameters])
+            p2p.broadcast(flat, src=self.data_parallel_ranks[0], group=self.data_parallel_group)
+            for p, value in zip(self.parameters, self.layout.views(flat)):
+                p.copy_(value)
