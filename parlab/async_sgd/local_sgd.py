@@ -1,0 +1,90 @@
+"""Local SGD: every rank takes H optimizer steps on its own, then the replicas average.
+
+    optimizer = PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      PeriodicAverager(period=H, warmup_steps=2))
+    for x, y in my_batches:                     # this rank's own data, no gradient all-reduce
+        loss_fn(model(x), y).backward()
+        optimizer.step()                        # a local step; every H-th one also averages
+        optimizer.zero_grad()
+
+Synchronous data parallelism all-reduces the gradient at every step; local SGD all-reduces
+the weights once per H steps: H times fewer messages and bytes, paid for with replicas that
+drift apart in between (their distance grows with H and with gamma). ``PeriodicAverager``
+follows the schedule of torch's ``PeriodicModelAverager``: its counter starts at 0 and counts
+calls (one per optimizer step); the call with counter c averages when c >= warmup_steps and
+(c - warmup_steps) is a multiple of H. With H = 4 and 2 warm-up steps, optimizer steps 3, 7,
+11, ... average (counting from 1). It is a drop-in averager for torch's
+``PostLocalSGDOptimizer``, which calls ``average_parameters(params=param_groups)`` after
+each optimizer step. (Torch's post-local SGD also all-reduces gradients during the warm-up,
+through DDP's ``post_localSGD_hook``; without DDP the warm-up steps are local.)
+
+The average is parlab's ring all-reduce of all parameters flattened into one buffer, each
+divided by N first, as torch's ``average_parameters`` does: 2 (N - 1) messages of d/N
+elements per averaging, every H steps.
+"""
+
+import torch
+import torch.distributed as dist
+
+from parlab import collectives
+from parlab._checks import whole_number
+
+
+class PeriodicAverager:
+    """Average the replicas' parameters at every ``period``-th call after ``warmup_steps``
+    calls (torch's ``PeriodicModelAverager``'s schedule and interface). ``step`` counts the
+    calls so far."""
+
+    def __init__(self, period, warmup_steps=0):
+        self.period = whole_number("period (H, local steps between averagings)", period,
+                                   "e.g. period=4; period=1 averages after every step.")
+        self.warmup_steps = whole_number("warmup_steps", warmup_steps, "e.g. 0 or 2.", minimum=0)
+        self.step = 0
+
+    def averages_now(self):
+        """Whether the next call of ``average_parameters`` averages."""
+        return self.step >= self.warmup_steps and (self.step - self.warmup_steps) % self.period == 0
+
+    def average_parameters(self, params):
+        """Average ``params`` (parameters, or an optimizer's parameter groups) over the ranks
+        if the schedule says so, then count the call."""
+        if self.averages_now():
+            average_parameters(params)
+        self.step += 1
+
+
+def average_parameters(params):
+    """Replace each parameter by its mean over the N ranks: one ring all-reduce of the
+    parameters flattened and divided by N. ``params``: tensors or parameter groups."""
+    tensors = list(_parameters(params))
+    if not tensors:
+        return
+    flat = torch.cat([p.detach().reshape(-1) for p in tensors])  # (d,)
+    flat /= dist.get_world_size()
+    collectives.ring_allreduce(flat, check=False)
+    offset = 0
+    for p in tensors:
+        p.detach().copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+def averaging_steps(steps, period, warmup_steps=0):
+    """The optimizer steps (counted from 1) among the first ``steps`` after which
+    ``PeriodicAverager(period, warmup_steps)`` averages: averaging_steps(8, 4, 2) == [3, 7]."""
+    averager = PeriodicAverager(period, warmup_steps)
+    chosen = []
+    for step in range(1, whole_number("steps", steps, "e.g. 8.", minimum=0) + 1):
+        if averager.averages_now():
+            chosen.append(step)
+        averager.step += 1
+    return chosen
+
+
+def _parameters(params):
+    for item in params:
+        if isinstance(item, dict):
+            yield from item["params"]
+        elif torch.is_tensor(item):
+            yield item
+        else:
+            raise ValueError(f"average_parameters takes parameters or parameter groups, got {type(item).__name__}.")
