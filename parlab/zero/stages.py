@@ -34,13 +34,26 @@ place, ready to be gathered; the optimizer allocates its state for the shard onl
 kappa Psi / N_d. Since Adam, AdamW and SGD with momentum act elementwise, stepping the shard
 equals stepping the full parameters.
 
-Gradients. Module gradients are views into one flat gradient buffer (4 Psi), so backward
-accumulates straight into it. Stages 0 and 1 keep that buffer (after the RS only the own
-shard holds the average; the others hold partial sums, unused). Stage 2 copies its
-averaged shard out (4 Psi / N_d) and frees the full buffer in ``step``; the next forward
-allocates it again, so a full gradient exists from forward to step only. (ZeRO-2 as
-implemented in DeepSpeed reduce-scatters buckets during backward, so the full gradient
-never exists at once; this engine keeps to one RS after backward, for clarity.)
+Gradients. Stages 0 and 1 keep one flat gradient buffer (4 Psi) whose views are the module
+gradients, so backward accumulates straight into it; one RS after backward leaves the average
+in the own shard (the other shards hold partial sums, unused). Stage 2 never holds the full
+gradient: as DeepSpeed's ZeRO-2, it reduce-scatters the gradients during backward, bucket by
+bucket (``parlab.zero.buckets``: up to ``bucket_cap_mb`` each, in the order backward produces
+them), adds its averaged part of each into the shard's gradient (4 Psi / N_d) and frees the
+bucket. The same additions in the same order as stage 1's RS: the result is bit for bit equal,
+and the bytes sent are the same, in more messages.
+
+Peak gradient memory, measured: ``engine.peak_gradient_bytes`` is the largest
+``gradient_bytes()`` seen since the last ``zero_grad`` (read at every gradient's arrival and
+before the optimizer step): the storages of the gradient tensors alive (flat buffer, module
+gradients, stage 2's bucket buffers and shard gradient; a view counts its storage once). Not
+counted: autograd's temporaries and the collectives' receive buffers. Stages 0, 1: 4 padded Psi
+bytes. Stage 2: 4 padded Psi / N_d + the largest (bucket buffer + one gradient) alive at
+once (``engine.buckets.peak_bytes()``), below stage 1's when a bucket and a gradient together
+stay under (N_d - 1)/N_d of the model, e.g. a bucket per layer of a model of several layers.
+With one bucket for the whole model (a model under 25 MiB at the default cap) stage 2's peak
+is above stage 1's, by one gradient: its saving is then only the 4 Psi (N_d - 1)/N_d bytes
+it does not keep between steps.
 
 Frozen parameters (``requires_grad=False``) are left as they are: not flattened, not
 sharded, not counted. Construction broadcasts rank 0's trainable parameters (one
@@ -54,6 +67,7 @@ import torch
 from parlab import _checks, p2p, trace
 from parlab.flat import FlatLayout, all_gather, reduce_scatter
 from parlab.memory import measure_model_state
+from parlab.zero.buckets import GradientBuckets
 
 STAGES = (0, 1, 2)
 
@@ -65,10 +79,12 @@ class ZeroDP(torch.nn.Module):
     class (not an instance), built over the shard with ``**optimizer_kwargs``. The trainable
     parameters must share one floating dtype and device. Call the engine like the model,
     then ``step()`` after ``loss.backward()``, and ``zero_grad()`` on the engine (not on the
-    model: module gradients are views into the engine's flat buffer).
+    model: module gradients are views into the engine's flat buffer). ``bucket_cap_mb``
+    (stage 2 only, default 25 MiB): the largest bucket of gradients reduce-scattered together
+    during backward.
     """
 
-    def __init__(self, model, optimizer_class, stage=2, **optimizer_kwargs):
+    def __init__(self, model, optimizer_class, stage=2, bucket_cap_mb=None, **optimizer_kwargs):
         super().__init__()
         if stage not in STAGES:
             raise ValueError(
@@ -77,6 +93,13 @@ class ZeroDP(torch.nn.Module):
             )
         _checks.module("model", model, "pass the model to shard, built the same on every rank.")
         _checks.optimizer_class(optimizer_class)
+        if bucket_cap_mb is not None and stage != 2:
+            raise ValueError(f"bucket_cap_mb is for stage 2, which reduce-scatters its gradients in buckets during "
+                             f"backward; stage {stage} reduce-scatters the whole flat gradient after it: drop it.")
+        bucket_cap_mb = _checks.real_number(
+            "bucket_cap_mb (the size of a bucket in MiB)", 25 if bucket_cap_mb is None else bucket_cap_mb,
+            "a bucket must hold something: pass a number of MiB such as 25 (math.inf: one bucket).", above=True,
+            infinite=True)
         self.module, self.stage = model, stage
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         if not self.trainable:
@@ -98,16 +121,19 @@ class ZeroDP(torch.nn.Module):
         # engine.parameters() are the model's, the shard is the optimizer's handle on them.
         object.__setattr__(self, "shard", torch.nn.Parameter(mine))
         self.optimizer = optimizer_class([self.shard], **optimizer_kwargs)
-        self.flat_grad = None
-        if stage < 2:
+        self.flat_grad, self.buckets, self.peak_gradient_bytes = None, None, 0
+        if stage == 2:
+            self.buckets = GradientBuckets(self.trainable, self.layout, self.shard, bucket_cap_mb,
+                                           self._measure_gradients)
+        else:
             self._attach_gradient_buffer()
+            for p in self.trainable:
+                p.register_post_accumulate_grad_hook(lambda p: self._measure_gradients())
 
     def extra_repr(self):
         return f"stage={self.stage}, {self.layout}"
 
     def forward(self, *args, **kwargs):
-        if self.flat_grad is None:
-            self._attach_gradient_buffer()
         with trace.span("forward"):
             return self.module(*args, **kwargs)
 
@@ -115,20 +141,24 @@ class ZeroDP(torch.nn.Module):
         """Average the gradients over the N_d ranks, step this rank's shard, share the result.
 
         Stage 0: RS + AG of the gradients (a ring all-reduce), then the optimizer steps the
-        full parameters on every rank. Stages 1, 2: RS of the gradients, the optimizer steps
-        this rank's shard, AG of the parameters. Stage 2 then keeps the gradient shard only.
+        full parameters on every rank. Stage 1: RS of the gradients, the optimizer steps this
+        rank's shard, AG of the parameters. Stage 2: its buckets were reduce-scattered during
+        backward (any left, with a gradient missing, now); then as stage 1.
         """
-        self._check_gradients()
-        with trace.span("reduce-scatter gradients"):
-            averaged = reduce_scatter(self.flat_grad, self.layout, self.rank)
+        if self.stage == 2:
+            if not self.buckets.finish():
+                raise ValueError("step() needs this step's gradients: run forward through the engine and "
+                                 "backward first.")
+        else:
+            self._check_gradients()
+            with trace.span("reduce-scatter gradients"):
+                averaged = reduce_scatter(self.flat_grad, self.layout, self.rank)
         if self.stage == 0:
             with trace.span("all-gather gradients"):
                 self.shard.grad = all_gather(self.flat_grad, self.layout)
         elif self.stage == 1:
             self.shard.grad = averaged
-        else:
-            self.shard.grad = averaged.clone()
-            self._release_gradient_buffer()
+        self._measure_gradients()
         with trace.span("optimizer"):
             self.optimizer.step()
         if self.stage > 0:
@@ -137,16 +167,31 @@ class ZeroDP(torch.nn.Module):
 
     def zero_grad(self):
         """Zero the gradients for the next step: stages 0, 1 zero the flat gradient buffer in
-        place (module gradients stay views into it); stage 2 drops its gradient shard."""
+        place (module gradients stay views into it); stage 2 drops its gradient shard. Starts
+        a new measurement of ``peak_gradient_bytes``."""
         if self.stage == 2:
             self.shard.grad = None
-            self._release_gradient_buffer()
+            self.buckets.discard()
         else:
             self.flat_grad.zero_()
+        self.peak_gradient_bytes = 0
+        self._measure_gradients()
+
+    def gradient_bytes(self):
+        """Bytes of the gradient tensors alive on this rank now: the flat gradient (stages 0,
+        1), the module gradients, stage 2's bucket buffers and gradient shard, each storage
+        once (views of the flat gradient add nothing)."""
+        buffers = self.buckets.buffers() if self.stage == 2 else []
+        tensors = [self.flat_grad, self.shard.grad, *(p.grad for p in self.trainable), *buffers]
+        return measure_model_state([], tensors, []).grads
+
+    def _measure_gradients(self):
+        self.peak_gradient_bytes = max(self.peak_gradient_bytes, self.gradient_bytes())
 
     def model_state_bytes(self):
         """The ``parlab.memory.ModelState`` this rank holds, measured from its storages."""
-        grads = [self.flat_grad, self.shard.grad, *(p.grad for p in self.trainable)]
+        grads = [self.flat_grad, self.shard.grad, *(p.grad for p in self.trainable),
+                 *(self.buckets.buffers() if self.stage == 2 else [])]
         states = [value for state in self.optimizer.state.values() for value in state.values()]
         return measure_model_state([self.flat_param, *self.trainable], grads, [s for s in states if torch.is_tensor(s)])
 
@@ -155,8 +200,8 @@ class ZeroDP(torch.nn.Module):
         return {name: p.detach().clone() for name, p in self.module.named_parameters()}
 
     def _check_gradients(self):
-        views = [] if self.flat_grad is None else self.layout.views(self.flat_grad)
-        if not views or any(p.grad is None or p.grad.data_ptr() != v.data_ptr() for p, v in zip(self.trainable, views)):
+        views = self.layout.views(self.flat_grad)
+        if any(p.grad is None or p.grad.data_ptr() != v.data_ptr() for p, v in zip(self.trainable, views)):
             raise ValueError(
                 "step() needs the gradients in the engine's flat buffer: run forward through the engine "
                 "and backward first, and zero them with engine.zero_grad(), not model.zero_grad()."
@@ -166,11 +211,6 @@ class ZeroDP(torch.nn.Module):
         self.flat_grad = torch.zeros_like(self.flat_param)
         for p, view in zip(self.trainable, self.layout.views(self.flat_grad)):
             p.grad = view
-
-    def _release_gradient_buffer(self):
-        self.flat_grad = None
-        for p in self.trainable:
-            p.grad = None
 
     def unsharded_tensors(self):
         """Frozen parameters and buffers by name: whole on every rank."""

@@ -1,0 +1,174 @@
+"""ZeRO stage 2's gradient buckets: the gradients are reduce-scattered during backward, bucket
+by bucket, so a full-size gradient of the whole model never exists (as DeepSpeed's ZeRO-2).
+
+The trainable parameters lie end to end in the engine's padded flat layout (``FlatLayout``),
+rank r owning shard r, [r s, (r + 1) s) with s = padded Psi / N_d. They are grouped into
+buckets of up to ``bucket_cap_mb`` in reverse order (``parlab.ddp.assign_buckets``: backward
+meets the last layers first); a bucket of consecutive parameters is one range [lo, hi) of the
+layout (the bucket of the last parameter also takes the padding). During backward:
+
+    gradient of p ready   (p's post-accumulate-grad hook) add p.grad into its bucket's buffer,
+                          a range-sized zero buffer made at the bucket's first gradient, then
+                          free p.grad
+    bucket full           reduce-scatter the buffer: rank q gets the average of the part of
+                          [lo, hi) inside shard q (a part may be empty); add this rank's part
+                          into the shard's .grad (shard-sized); free the buffer
+
+Buckets are reduced in order, as DDP launches its all-reduces, so every rank makes the same
+collectives in the same order; a bucket with a parameter that got no gradient this step is
+reduced in ``finish`` (called by the engine's step), its missing gradients as zeros.
+
+The reduce-scatter of a bucket is a ring over uneven parts (``ring_reduce_scatter_parts``):
+the steps of ``parlab.collectives.ring_steps``, part q ending, averaged, on rank q. Each part
+is summed in the same order as by a ring reduce-scatter of the whole flat buffer, so stage 2's
+averaged shard is bit for bit stage 1's; and each rank sends every part but its own, so over
+all buckets it sends padded Psi - s elements: a ring reduce-scatter's (N_d - 1)/N_d x 4 padded
+Psi bytes in fp32, in more messages (one per non-empty part and step).
+
+Memory: the gradients live are this rank's averaged shard (4 s bytes), the buffers of the
+buckets not yet reduced (one at a time when gradients arrive in bucket order) and the one
+gradient just produced, against stage 1's full flat gradient of 4 padded Psi bytes.
+"""
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+from parlab import collectives, p2p, trace
+from parlab.ddp import MB, assign_buckets
+
+
+class GradientBuckets:
+    """Stage 2's buckets over ``parameters`` (the engine's trainable parameters, in the order of
+    ``layout``); each bucket's averaged part for this rank is added into ``shard.grad``. Hooks
+    are registered on the parameters at construction. ``measure()`` is called whenever a new
+    gradient and its bucket's buffer are both alive (the engine measures its peak there)."""
+
+    def __init__(self, parameters, layout, shard, bucket_cap_mb, measure):
+        self.layout, self.shard, self.measure = layout, shard, measure
+        self.rank = dist.get_rank()
+        sizes = [p.numel() * p.element_size() for p in parameters]
+        self.buckets = [self._bucket(sorted(indices)) for indices in assign_buckets(sizes, bucket_cap_mb * MB)]
+        self.launched = 0  # buckets reduced so far in this round, always a prefix of self.buckets
+        self.arrived = False  # a gradient arrived since the last finish
+        for bucket in self.buckets:
+            for index in bucket.indices:
+                parameters[index].register_post_accumulate_grad_hook(functools.partial(self.gradient_ready, bucket,
+                                                                                       index))
+
+    def _bucket(self, indices):
+        layout = self.layout
+        lo = layout.offsets[indices[0]]
+        last = indices[-1]
+        hi = layout.padded_numel if last == len(layout.shapes) - 1 else layout.offsets[last] + layout.numels[last]
+        shards = [layout.shard_bounds(q) for q in range(layout.world_size)]
+        # rank q's part of the bucket, in the bucket's coordinates (empty where they do not meet)
+        parts = [(min(max(start, lo), hi) - lo, max(min(end, hi), lo) - lo) for start, end in shards]
+        return Bucket(indices, lo, hi, parts)
+
+    def gradient_ready(self, bucket, index, param):
+        """Post-accumulate-grad hook of parameter ``index``: its gradient into the bucket's
+        buffer (then freed), and reduce every bucket that is now full, in order."""
+        if bucket.buffer is None:
+            bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=param.dtype, device=param.device)
+        start = self.layout.offsets[index] - bucket.lo
+        bucket.buffer[start : start + param.numel()].add_(param.grad.reshape(-1))
+        self.measure()
+        param.grad = None
+        bucket.ready.add(index)
+        self.arrived = True
+        while self.launched < len(self.buckets) and self.buckets[self.launched].is_full():
+            self.reduce(self.buckets[self.launched])
+        if self.launched == len(self.buckets):
+            self.launched = 0  # a whole round: the next backward (gradient accumulation) starts another
+
+    def reduce(self, bucket):
+        """Reduce-scatter ``bucket``: this rank's averaged part added into ``shard.grad``."""
+        if bucket.buffer is None:  # no gradient arrived for any of its parameters: zeros
+            bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=self.shard.dtype, device=self.shard.device)
+        with trace.span("reduce-scatter gradients", stage=self.launched):
+            ring_reduce_scatter_parts(bucket.buffer, bucket.parts)
+        if self.shard.grad is None:
+            self.shard.grad = torch.zeros_like(self.shard)
+            self.measure()
+        start, end = bucket.parts[self.rank]
+        shard_start = self.layout.shard_bounds(self.rank)[0]
+        self.shard.grad[bucket.lo + start - shard_start : bucket.lo + end - shard_start].add_(bucket.buffer[start:end])
+        bucket.buffer, bucket.ready = None, set()
+        self.launched += 1
+
+    def finish(self):
+        """Reduce what backward left unreduced: the rest of the round of buckets begun (a
+        parameter without a gradient counts zeros), then, if a later backward (gradient
+        accumulation) put gradients into buckets reduced already, one more round. Afterwards
+        ``shard.grad`` holds the step's averaged shard. Returns whether any gradient arrived
+        since the last ``finish``."""
+        arrived = self.arrived
+        if self.launched or self.buffers():
+            for bucket in self.buckets[self.launched :]:
+                self.reduce(bucket)
+            if self.buffers():
+                for bucket in self.buckets:
+                    self.reduce(bucket)
+        self.launched, self.arrived = 0, False
+        return arrived
+
+    def discard(self):
+        """Forget this step's gradients (``zero_grad`` before ``step``): buffers dropped."""
+        for bucket in self.buckets:
+            bucket.buffer, bucket.ready = None, set()
+        self.launched, self.arrived = 0, False
+
+    def peak_bytes(self):
+        """The largest gradient bytes alive at once in a step, when each bucket's gradients
+        arrive one at a time and before the next bucket's (a chain of layers): bucket b's
+        buffer, one of its gradients and, from the first reduce-scatter on, the shard's
+        gradient, 4 s in fp32. The first bucket's buffer meets the shard's gradient when that
+        is allocated, in its reduce-scatter."""
+        size = self.shard.element_size()
+        numels = self.layout.numels
+        peaks = []
+        for b, bucket in enumerate(self.buckets):
+            gradient = max(numels[i] for i in bucket.indices)
+            shard = self.layout.shard_numel
+            peaks.append(bucket.hi - bucket.lo + (shard + gradient if b else max(shard, gradient)))
+        return size * max(peaks)
+
+    def buffers(self):
+        """The bucket buffers alive now."""
+        return [bucket.buffer for bucket in self.buckets if bucket.buffer is not None]
+
+
+class Bucket:
+    """Consecutive parameters (``indices``) whose gradients travel together: the range
+    [lo, hi) of the flat layout, cut into the N_d ranks' ``parts``."""
+
+    def __init__(self, indices, lo, hi, parts):
+        self.indices, self.lo, self.hi, self.parts = indices, lo, hi, parts
+        self.buffer = None  # the gradients summed here, allocated from its first gradient to its reduce-scatter
+        self.ready = set()  # indices whose gradient arrived in this step
+
+    def is_full(self):
+        return len(self.ready) == len(self.indices)
+
+
+def ring_reduce_scatter_parts(flat, parts):
+    """Ring reduce-scatter of ``flat`` over the default group, cut into the given ``parts``
+    [(start, end)] of any sizes (one per rank; empty ones send nothing): afterwards part r of
+    rank r's ``flat`` is the average over the N_d ranks. The schedule is
+    ``parlab.collectives.ring_steps``: at step j rank r sends part (r - j - 1) mod N to rank
+    r + 1 and adds part (r - j - 2) mod N, received from rank r - 1, into its own."""
+    rank, N = dist.get_rank(), dist.get_world_size()
+    pieces = [flat[start:end] for start, end in parts]
+    incoming = torch.empty(max(piece.numel() for piece in pieces), dtype=flat.dtype, device=flat.device)
+    for step in collectives.ring_steps(N, "reduce-scatter"):
+        sent, received = pieces[step.send[rank]], pieces[step.receive[rank]]
+        request = p2p.isend(sent, (rank + 1) % N) if sent.numel() else None
+        if received.numel():
+            buffer = p2p.recv(incoming[: received.numel()], (rank - 1) % N)
+            received.add_(buffer)
+        if request is not None:
+            request.wait()
+    pieces[rank].div_(N)
+    return flat
