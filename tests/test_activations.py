@@ -1,0 +1,116 @@
+"""parlab.tensor_parallel.activations: the bytes autograd saves per layer, counted with
+saved-tensor hooks, equal parlab's item-by-item accounting exactly (fp32 and bf16, with and
+without dropout, t = 1, 2, 4, with and without sequence parallelism, full recompute); that
+accounting differs from Korthikanti et al.'s formulas by exactly the items the module names;
+checkpointing a chain of n layers in segments of k holds n/k + k layers at its peak."""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from parlab.gpt import Block, GPTConfig
+from parlab.tensor_parallel.activations import (
+    SavedBytes,
+    checkpoint_peak_units,
+    dropout_mask_bytes,
+    korthikanti_bytes,
+    layer_bytes,
+    layer_saved_bytes,
+    measure_saved_bytes,
+)
+from parlab.tensor_parallel.model import ParallelBlock
+
+S, B, H, A = 16, 2, 32, 4
+
+
+def block_and_input(dtype, dropout, seed=0):
+    torch.manual_seed(seed)
+    block = Block(GPTConfig(s=S, h=H, a=A, dropout=dropout)).to(dtype)
+    return block, torch.randn(B, S, H, dtype=dtype, requires_grad=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_one_layer_saves_exactly_the_items_of_the_accounting(dtype, dropout):
+    block, x = block_and_input(dtype, dropout)
+    value_bytes = torch.finfo(dtype).bits // 8
+    expected = layer_bytes(S, B, H, A, value_bytes=value_bytes, mask_bytes=dropout_mask_bytes("cpu", value_bytes),
+                           dropout=dropout > 0)
+    assert measure_saved_bytes(block, x) == expected
+
+
+def test_full_recompute_keeps_the_layer_input_only():
+    block, x = block_and_input(torch.float32, 0.1)
+    with SavedBytes(exclude=block) as saved:
+        checkpoint(block, x, use_reentrant=True)
+    assert saved.total == layer_bytes(S, B, H, A, recompute=True) == S * B * H * 4
+
+
+@pytest.mark.parametrize("t, sequence_parallel", [(1, False), (2, False), (4, False), (2, True), (4, True)])
+def test_the_accounting_is_the_paper_s_formula_plus_the_named_differences(t, sequence_parallel):
+    s, b, h, a = 64, 8, 128, 4
+    ours = layer_bytes(s, b, h, a, t, sequence_parallel, value_bytes=2, mask_bytes=1)
+    statistics = 2 * 2 * b * s * 2 // (t if sequence_parallel else 1)  # LayerNorm's mean and 1/std
+    gathered = 2 * s * b * h * 2 * (1 - 1 / t) if sequence_parallel else 0  # the column layers' gathered inputs
+    assert ours == korthikanti_bytes(s, b, h, a, t, sequence_parallel) + statistics + gathered
+    assert korthikanti_bytes(s, b, h, a) == s * b * h * (34 + 5 * a * s / h)
+    assert layer_bytes(s, b, h, a, t, sequence_parallel, recompute=True, value_bytes=2) == korthikanti_bytes(
+        s, b, h, a, t, sequence_parallel, recompute=True)
+
+
+def measure_parallel_layer(sequence_parallel, dropout):
+    import torch.distributed as dist
+    t, r = dist.get_world_size(), dist.get_rank()
+    full, x = block_and_input(torch.float32, dropout)
+    block = ParallelBlock(full, None, sequence_parallel)
+    mine = x.detach().chunk(t, 1)[r].clone().requires_grad_() if sequence_parallel else x  # its own storage
+    return measure_saved_bytes(block, mine)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_a_tensor_parallel_layer_saves_what_the_accounting_says_on_every_rank(t, sequence_parallel, request):
+    cluster = request.getfixturevalue(f"cluster{t}")
+    for dropout in (0.0, 0.1):
+        expected = layer_bytes(S, B, H, A, t, sequence_parallel, mask_bytes=4, dropout=dropout > 0)
+        assert cluster.run(measure_parallel_layer, sequence_parallel, dropout, timeout=60) == [expected] * t
+
+
+def chain_peak(n, k, width=64, rows=8):
+    """Peak bytes saved by n layers of tanh(linear), checkpointed in segments of k, in units
+    of one layer's saved tensor (tanh's output, which the next linear also saves)."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
+
+    def segment(z, first):
+        for layer in layers[first:first + k]:
+            z = torch.tanh(layer(z))
+        return z
+
+    with SavedBytes(exclude=layers) as saved:
+        z = torch.randn(rows, width, requires_grad=True)
+        for first in range(0, n, k):
+            z = checkpoint(segment, z, first, use_reentrant=True)
+        kept = saved.live
+        z.sum().backward()
+    unit = rows * width * 4
+    assert saved.live == 0 and kept == n // k * unit  # the segment inputs, all freed after backward
+    return saved.peak / unit
+
+
+def test_checkpointing_every_k_of_n_layers_holds_n_over_k_plus_k_at_its_peak():
+    n = 16
+    peaks = {k: chain_peak(n, k) for k in (1, 2, 4, 8, 16)}
+    assert peaks == {k: checkpoint_peak_units(n, k) for k in peaks}
+    assert min(peaks, key=peaks.get) == 4  # sqrt(16)
+
+
+def test_sizes_that_do_not_fit_say_what_to_change():
+    with pytest.raises(ValueError, match="choose a dividing h and t dividing a"):
+        korthikanti_bytes(64, 8, 128, 6)
+    with pytest.raises(ValueError, match="t must be a whole number >= 1, got 0"):
+        layer_saved_bytes(64, 8, 128, 4, t=0)
+    with pytest.raises(ValueError, match="segments of k = 3 layers must divide the n = 16 layers"):
+        checkpoint_peak_units(16, 3)
