@@ -1,0 +1,135 @@
+"""PowerSGD (Vogels et al., 2019): a rank-r approximation of each gradient matrix, found by
+one step of power iteration per training step, warm-started from the last step's Q.
+
+Each gradient tensor is viewed as a matrix M of n = shape[0] rows and m = numel / n columns
+(as torch's ``powerSGD_hook``). With r' = min(r, n, m), on every rank i:
+
+    P_i = M_i Q            (n x r')   all-reduce #1: P = sum_i P_i
+    P   = orthogonalize(P)            Gram-Schmidt on its r' columns
+    Q_i = M_i^T P          (m x r')   all-reduce #2: Q = (1/N) sum_i Q_i
+    C(M) = P Q^T           (n x m)    = P P^T mean_i M_i, the mean's projection on P's span
+
+so (n + m) r' elements travel instead of n m. A tensor is sent uncompressed (with the P's, in
+all-reduce #1) when it has one dimension or compression would not pay:
+(n + m) r' x ``min_compression_rate`` >= n m, torch's rule (``compression_sizes`` reports
+the same element counts as torch's ``PowerSGDState.compression_stats()``). Q is kept per
+tensor and reused next step (the warm start), so over steps the power iteration converges.
+PowerSGD is biased: wrap it in ``ErrorFeedback`` (torch's hook has it on by default).
+"""
+
+import torch
+import torch.distributed as dist
+
+from parlab._checks import real_number, whole_number
+from parlab.compression.travel import all_reduce_sum, ring_allreduce_sent
+
+
+def orthogonalize(P, eps=1e-8):
+    """Make P's columns orthonormal in place (Gram-Schmidt, column by column); returns P.
+    ``eps`` keeps an all-zero column (a zero gradient) from dividing by zero."""
+    for i in range(P.shape[1]):
+        column = P[:, i]
+        column /= column.norm() + eps
+        rest = P[:, i + 1 :]
+        rest -= column[:, None] * (column @ rest)[None, :]  # remove column's part from the later ones
+    return P
+
+
+class PowerSGD:
+    """Rank-``rank`` PowerSGD. ``seed``: the first Q's random values, the same on every rank."""
+
+    def __init__(self, rank=1, seed=0, min_compression_rate=2.0):
+        whole_number("rank (r)", rank, "the approximation's rank: a whole number such as 1, 2 or 4.")
+        real_number("min_compression_rate", min_compression_rate, "torch's default is 2.")
+        self.rank, self.min_compression_rate = rank, min_compression_rate
+        self.generator = torch.Generator().manual_seed(seed)
+        self.warm = {}  # key -> the Q of each compressed matrix, from the last step
+
+    def plan(self, shapes):
+        """For each shape: (n, m, r') if it is compressed, None if it travels uncompressed."""
+        plans = []
+        for shape in shapes:
+            shape = tuple(shape)
+            numel = torch.Size(shape).numel()
+            if len(shape) < 2 or numel == 0:
+                plans.append(None)
+                continue
+            n, m = shape[0], numel // shape[0]
+            r = min(self.rank, n, m)
+            plans.append((n, m, r) if (n + m) * r * self.min_compression_rate < n * m else None)
+        return plans
+
+    def compression_sizes(self, shapes):
+        """(elements before, elements after) for tensors of ``shapes``: what torch's
+        ``PowerSGDState.compression_stats()`` counts for one compressed step."""
+        before = sum(torch.Size(tuple(s)).numel() for s in shapes)
+        after = sum(torch.Size(tuple(s)).numel() if p is None else (p[0] + p[1]) * p[2]
+                    for s, p in zip(shapes, self.plan(shapes)))
+        return before, after
+
+    def __call__(self, x, key=0, shapes=None):
+        """One rank's approximation (no communication): P Q^T of each matrix of ``x``."""
+        return self._approximate(x, key, shapes, lambda tensor: tensor, 1)
+
+    def aggregate(self, x, key=0, shapes=None):
+        """(mean, mean): the approximation of the ranks' mean, the same on every rank, after
+        the two all-reduces. Error feedback subtracts it whole (as torch's hook)."""
+        mean = self._approximate(x, key, shapes, all_reduce_sum, dist.get_world_size())
+        return mean, mean
+
+    def bytes(self, x, shapes=None):
+        """Bytes of this rank's P's, Q's and uncompressed tensors (fp32)."""
+        return 4 * self.compression_sizes(_shapes(x, shapes))[1]
+
+    def sent_bytes(self, x, N, shapes=None):
+        """Bytes each rank sends: a ring all-reduce of the uncompressed tensors and the P's,
+        and one of the Q's."""
+        shapes = _shapes(x, shapes)
+        plans = self.plan(shapes)
+        first = sum(torch.Size(tuple(s)).numel() if p is None else p[0] * p[2] for s, p in zip(shapes, plans))
+        second = sum(p[1] * p[2] for p in plans if p is not None)
+        sent = [a + b for a, b in zip(ring_allreduce_sent(first, 4, N), ring_allreduce_sent(second, 4, N))]
+        return sent if second else ring_allreduce_sent(first, 4, N)
+
+    def _approximate(self, x, key, shapes, reduce, N):
+        shapes = _shapes(x, shapes)
+        plans = self.plan(shapes)
+        pieces = x.detach().reshape(-1).float().split([torch.Size(tuple(s)).numel() for s in shapes])
+        matrices = [piece.view(p[0], p[1]) for piece, p in zip(pieces, plans) if p is not None]
+        Qs = self._warm_start(key, plans)
+        # all-reduce #1: the uncompressed tensors and every P_i = M_i Q, in one buffer
+        uncompressed = [piece for piece, p in zip(pieces, plans) if p is None]
+        first = reduce(torch.cat(uncompressed + [(M @ Q).reshape(-1) for M, Q in zip(matrices, Qs)]))
+        numels = [u.numel() for u in uncompressed] + [M.shape[0] * Q.shape[1] for M, Q in zip(matrices, Qs)]
+        parts = list(first.split(numels))
+        means = [part / N for part in parts[: len(uncompressed)]]
+        Ps = [orthogonalize(part.view(M.shape[0], -1)) for part, M in zip(parts[len(uncompressed):], matrices)]
+        # all-reduce #2: every Q_i = M_i^T P, averaged
+        if matrices:
+            second = reduce(torch.cat([(M.T @ P).reshape(-1) for M, P in zip(matrices, Ps)])) / N
+            Qs = [q.view(M.shape[1], -1) for q, M in zip(second.split([M.shape[1] * P.shape[1]
+                                                                         for M, P in zip(matrices, Ps)]), matrices)]
+            self.warm[key] = [Q.clone() for Q in Qs]
+        approximations = iter([P @ Q.T for P, Q in zip(Ps, Qs)])
+        uncompressed_means = iter(means)
+        out = [next(uncompressed_means) if p is None else next(approximations) for p in plans]
+        return torch.cat([o.reshape(-1) for o in out]).to(x.dtype).view_as(x)
+
+    def _warm_start(self, key, plans):
+        shapes = [p for p in plans if p is not None]
+        kept = self.warm.get(key)
+        if kept is not None and [tuple(Q.shape) for Q in kept] == [(m, r) for _, m, r in shapes]:
+            return kept
+        return [torch.randn(m, r, generator=self.generator) for _, m, r in shapes]
+
+    def __repr__(self):
+        return f"PowerSGD(rank={self.rank})"
+
+
+def _shapes(x, shapes):
+    if shapes is None:
+        return [tuple(x.shape)]
+    if sum(torch.Size(tuple(s)).numel() for s in shapes) != x.numel():
+        raise ValueError(f"shapes {list(shapes)} do not add up to the {x.numel()} elements of the tensor: pass the "
+                         "shapes of the parameters whose gradients it holds, in order.")
+    return list(shapes)

@@ -1,0 +1,79 @@
+"""How compressed gradients travel: every message goes through parlab's ring collectives (so
+through ``parlab.p2p``), so an emulated link charges it and the trace counts its bytes.
+
+Two ways, by what the payload is (symbols: N ranks, d elements of the gradient, k the
+compressor's budget, b bytes of an element):
+
+    payload                                 collective        bytes each rank sends
+    dense-shaped, same positions on every   ring all-reduce   2 (N - 1)/N L b for L elements
+    rank (fp16, random-k with a shared                        (exact when N divides L;
+    seed, int8 signs, PowerSGD's P and Q)                     ``ring_allreduce_sent``)
+    a different message per rank (top-k's  ring all-gather   (N - 1) B for B bytes per rank
+    (values, indices), QSGD's norm and
+    levels)
+
+A message of several tensors (fp32 values and int64 indices) is packed into one buffer of
+bytes (``pack``), so it travels as one all-gather and its bytes are exactly the sum of its
+parts: top-k sends (N - 1) k (4 + 8) bytes, against a dense ring's 2 (N - 1)/N 4 d. Top-k
+pays off only when k (4 + 8) < 2 (4 d) / N, i.e. k < 2 d / (3 N) with int64 indices, and
+k < d / N with int32 ones (``topk_pays``).
+"""
+
+import torch
+import torch.distributed as dist
+
+from parlab import collectives
+
+
+def all_reduce_sum(tensor):
+    """Sum ``tensor`` over the ranks in place with parlab's ring all-reduce; returns it."""
+    return collectives.ring_allreduce(tensor, check=False)
+
+
+def all_gather(message):
+    """Every rank's 1-D ``message`` (the same length on every rank): an (N, L) tensor whose row
+    r is rank r's. A ring all-gather: each rank sends (N - 1) L elements."""
+    N, rank = dist.get_world_size(), dist.get_rank()
+    gathered = torch.empty(N, message.numel(), dtype=message.dtype, device=message.device)
+    gathered[rank] = message  # rank r owns chunk r, as ring_all_gather expects
+    collectives.ring_all_gather(gathered, check=False)
+    return gathered
+
+
+def pack(*tensors):
+    """One flat uint8 buffer holding the bytes of ``tensors`` (contiguous, any dtypes), in order."""
+    return torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors])
+
+
+def unpack(buffer, layout):
+    """The tensors that ``pack`` put into ``buffer`` (or each row of a gathered (N, B) buffer):
+    ``layout`` is [(numel, dtype), ...] in packing order. Returns tensors shaped like
+    ``buffer``'s leading dimensions + (numel,), copied out of it."""
+    parts, start = [], 0
+    for numel, dtype in layout:
+        nbytes = numel * dtype.itemsize
+        parts.append(buffer[..., start : start + nbytes].clone().view(dtype))  # a copy: aligned for dtype
+        start += nbytes
+    if start != buffer.shape[-1]:
+        raise ValueError(f"the layout describes {start} bytes but the buffer holds {buffer.shape[-1]}.")
+    return parts
+
+
+def ring_allreduce_sent(numel, element_bytes, N):
+    """Bytes each rank r sends in a ring all-reduce of ``numel`` elements, as a list over r:
+    every chunk but its own in the reduce-scatter, every chunk but (r + 1) mod N in the
+    all-gather (``collectives.chunk_bounds``). 2 (N - 1)/N numel b when N divides numel."""
+    sizes = [end - start for start, end in collectives.chunk_bounds(numel, N)]
+    return [(2 * numel - sizes[r] - sizes[(r + 1) % N]) * element_bytes for r in range(N)]
+
+
+def all_gather_sent(message_bytes, N):
+    """Bytes each rank sends in a ring all-gather of a ``message_bytes`` message per rank."""
+    return [(N - 1) * message_bytes] * N
+
+
+def topk_pays(k, d, N, index_bytes=8):
+    """Whether top-k's all-gather, (N - 1) k (4 + index_bytes), sends fewer bytes than a dense
+    fp32 ring all-reduce of d elements, 2 (N - 1)/N 4 d: k < 8 d / (N (4 + index_bytes)),
+    i.e. k < 2 d / (3 N) with int64 indices and k < d / N with int32 ones."""
+    return (N - 1) * k * (4 + index_bytes) < 2 * (N - 1) * 4 * d / N
