@@ -505,3 +505,91 @@ def test_learner_errors_say_what_to_change(cluster2):
     assert messages.keys() == expected.keys()
     for name, text in expected.items():
         assert text in messages[name], (name, messages[name])
+
+
+# --- no_sync: gradient accumulation without communication; closing HYBRID_SHARD's groups ----
+
+INTEGER_BATCH, MICROBATCHES = 16, 2
+
+
+def integer_chain():
+    """Linear -> ReLU -> Linear with small integer weights: on integer inputs, with losses and
+    averages scaled by powers of two, every gradient and SGD step below is exact in fp32, so
+    any order of additions gives the same bits."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3))
+    for p in model.parameters():
+        p.data = torch.randint(-2, 3, p.shape).float()
+    return model
+
+
+def integer_batch():
+    return torch.randint(-3, 4, (INTEGER_BATCH, 4), generator=torch.Generator().manual_seed(5)).float()
+
+
+def integer_loss(out, share):
+    return out.sum() * 2.0**-4 / share
+
+
+def integer_one_process(steps, world_size):
+    model = integer_chain()
+    optimizer = torch.optim.SGD(model.parameters(), lr=2.0**-6)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        integer_loss(model(integer_batch()), world_size * MICROBATCHES).backward()  # as the ranks' average
+        optimizer.step()
+    return parameters_of(model)
+
+
+def accumulate_with_no_sync(strategy, steps=2):
+    """``steps`` steps of MICROBATCHES micro-batches on this rank's shard, all but the last
+    inside no_sync; the full gradients held after the no_sync backward; the reduce-scatters."""
+    engine = FSDP(integer_chain(), torch.optim.SGD, strategy=strategy, wrap_policy="per_layer", lr=2.0**-6)
+    micro = integer_batch().chunk(dist.get_world_size())[dist.get_rank()].chunk(MICROBATCHES)
+    share = MICROBATCHES  # each micro-batch's loss / M; the ranks' average divides by N_d
+    with trace.span("steps"):
+        for _ in range(steps):
+            engine.zero_grad()
+            with engine.no_sync():
+                integer_loss(engine(micro[0]), share).backward()
+            held = engine.model_state_bytes().grads
+            integer_loss(engine(micro[1]), share).backward()
+            engine.step()
+    parameters = engine.full_parameters()
+    engine.close()
+    return parameters, held, sum(4 * unit.layout.padded_numel for unit in engine.units), len(engine.units)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", ["cluster2", "cluster4"])
+def test_no_sync_accumulates_locally_and_reduces_once_like_one_process(world, request):
+    cluster = request.getfixturevalue(world)
+    steps, expected = 2, integer_one_process(2, cluster.world_size)
+    strategies = ["FULL_SHARD", "SHARD_GRAD_OP"] + (["HYBRID_SHARD"] if cluster.world_size == 4 else [])
+    for strategy in strategies:
+        timeline = cluster.trace(accumulate_with_no_sync, strategy, steps, timeout=60)
+        for rank, (parameters, held, full_gradient_bytes, units) in enumerate(timeline.results):
+            assert_identical(parameters, expected, f"rank {rank}, {strategy}")
+            assert held == full_gradient_bytes  # every unit's full gradient, no shard gradient yet
+            # one reduction per unit and step: on the last micro-batch only
+            assert len(timeline.select(rank=rank, name="reduce-scatter")) == steps * units, strategy
+    assert not torch.equal(expected["0.weight"], integer_chain()[0].weight.detach())  # the steps moved it
+
+
+def hybrid_groups_opened_and_closed(engines):
+    world = dist.distributed_c10d._world
+    before = len(world.pg_map)
+    during = []
+    for _ in range(engines):
+        engine = FSDP(integer_chain(), torch.optim.SGD, strategy="HYBRID_SHARD", lr=0.1)
+        during.append(len(world.pg_map))
+        engine.close()
+        engine.close()  # a second close is a no-op
+    return before, during, len(world.pg_map)
+
+
+@pytest.mark.timeout(60)
+def test_a_closed_hybrid_shard_engine_leaves_no_process_groups(cluster4):
+    for before, during, after in cluster4.run(hybrid_groups_opened_and_closed, 3, timeout=60):
+        assert during == [before + 2] * 3  # this rank's shard group and replicate group
+        assert after == before

@@ -62,13 +62,18 @@ initialises an ordinary model the same way, for a reference. Buffers are broadca
 and replicated, not sharded.
 
 Gradient accumulation: a second backward before ``step`` reduce-scatters again and adds to the
-shard gradients (communication every backward: there is no no_sync here). Limits: every
+shard gradients (communication every backward). Inside ``with engine.no_sync():`` a backward
+does not reduce: each unit keeps its full flat gradient (padded Psi_u elements in the compute
+dtype; autograd sums the micro-batches into it) and the first backward outside reduce-scatters
+the sum once, as torch's ``no_sync`` (one reduction per step, the full gradients' memory while
+accumulating). ``engine.close()`` destroys the process groups HYBRID_SHARD made. Limits: every
 trainable parameter is sharded (frozen ones raise ValueError); a unit's parameters may be used
 only inside that unit's forward (tied weights belong to the unit around all their uses).
 Checkpoints (full and sharded state dicts, files): ``parlab.zero.checkpoint``.
 """
 
 import functools
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -123,6 +128,7 @@ class FSDP(nn.Module):
         self.module = model
         device = runtime.device() if deferred else next(model.parameters()).device
         groups = _process_groups(N, S)  # (shard group, replicate group)
+        self.process_groups = [group for group, _ in groups if group is not None]  # made here: close() ends them
         self.units = []
         for index, plan in enumerate(plans):
             if deferred:
@@ -179,13 +185,35 @@ class FSDP(nn.Module):
     def zero_grad(self):
         self.optimizer.zero_grad(set_to_none=True)
 
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside accumulate each unit's full gradient on this rank, with no
+        reduction; the next backward outside reduce-scatters the sum (module docstring).
+        With M micro-batches per step, divide each one's mean loss by M."""
+        for unit in self.units:
+            unit.sync_gradients = False
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                unit.sync_gradients = True
+
+    def close(self):
+        """Destroy the process groups this engine made (HYBRID_SHARD's shard and replicate
+        groups; the other strategies use the default group and make none). Safe to call
+        twice; the engine cannot take another step after it."""
+        for group in self.process_groups:
+            dist.destroy_process_group(group)
+        self.process_groups = []
+
     def model_state_bytes(self):
         """This rank's model states, measured (``parlab.memory.measure_model_state``): params
         = the shards plus any full buffer still allocated (none at rest, except NO_SHARD),
-        grads = the shard gradients, optimizer = the optimizer's state tensors."""
+        grads = the shard gradients and any full gradient kept by ``no_sync``, optimizer = the
+        optimizer's state tensors."""
         return measure_model_state(
             [t for unit in self.units for t in (unit.shard, unit.full)],
-            [unit.shard.grad for unit in self.units],
+            [g for unit in self.units for g in (unit.shard.grad, unit.full.grad)],
             [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)],
         )
 
@@ -207,6 +235,7 @@ class FlatUnit:
         (self.shard_group, S), (self.replicate_group, self.replicas) = groups
         self.layout = FlatLayout([p.shape for p in plan.parameters], S)
         self.rank = dist.get_rank() % S  # the place in the shard group
+        self.sync_gradients = True  # False inside FSDP.no_sync
         flat = self.layout.flatten([p.detach() for p in plan.parameters], torch.float32, device)
         p2p.broadcast(flat, src=0)  # the replicas start from rank 0's values
         mine = self.layout.shard(flat, self.rank).to(shard_device, copy=True)
@@ -250,7 +279,11 @@ class FlatUnit:
     def reduce_gradient(self, full):
         """Post-accumulate-grad hook of ``full``: average the flat gradient over the N_d ranks
         (reduce-scatter within the shard group, then all-reduce across the replicate group),
-        add this rank's part to the shard's .grad, free the full buffer and its gradient."""
+        add this rank's part to the shard's .grad, free the full buffer and its gradient. Inside
+        ``no_sync``: free the full buffer only; its gradient stays for the next backward to add to."""
+        if not self.sync_gradients:
+            self.free()
+            return
         S = self.layout.world_size
         with trace.span("reduce-scatter" if S > 1 else "all-reduce", stage=self.index), torch.no_grad():
             if S > 1:
