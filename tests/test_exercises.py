@@ -420,6 +420,8 @@ FIRST_STUB = {
     "zero": (10, {"zero.sharded_optimizer": "build_optimizer",
                   "zero.reduce_scatter_gradients": "reduce_scatter_gradients"}),
     "pipeline": (10, {"pipeline.one_f_one_b": "one_f_one_b", "pipeline.stage_step": "forward_step"}),
+    # ColumnParallelLinear.forward (the learner's first stub) is met before f and g are called.
+    "tensor_parallel": (7, {"tensor_parallel.column_row_linear": "forward", "tensor_parallel.loss_scaler": "unscale_"}),
 }
 
 
@@ -519,3 +521,17 @@ def test_pipeline_late_backwards_and_a_missing_1_over_m_lose_exactly_their_point
     for name, reason in failed.items():
         if name.startswith("test_gradients") or name == "test_one_stage_in_one_process":
             assert "gradients are M = " in reason and "times too large: scale each micro-batch loss by 1/M" in reason
+
+
+def test_tensor_parallel_without_f_s_all_reduce_is_told_which_operator_is_missing(tmp_path):
+    # The classic mistake, in an otherwise correct solution: f's backward passes the gradient
+    # through as g's does, so each rank keeps only its own part of the input's gradient.
+    failed = graded_with_mistakes("tensor_parallel", {"        return all_reduce(grad)\n": "        return grad\n"},
+                                  tmp_path)
+    assert sorted(failed) == ["test_one_all_reduce_forward_and_one_backward",
+                              *(f"test_the_gradients_are_the_one_process_gradients[{n} ranks]" for n in (2, 4))]
+    for name, reason in failed.items():
+        if name.startswith("test_the_gradients"):
+            assert "f (CopyToParallel) is missing its all-reduce in backward" in reason, reason
+        else:
+            assert "1 all-reduces in forward and 0 in backward" in reason, reason
