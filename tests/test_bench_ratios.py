@@ -6,7 +6,17 @@ import re
 
 import pytest
 
-from parlab.bench import collectives, ddp, emulation, pipeline, ratio_header, runtime, time_ratio, zero
+from parlab.bench import (
+    collectives,
+    ddp,
+    emulation,
+    pipeline,
+    ratio_header,
+    runtime,
+    tensor_parallel,
+    time_ratio,
+    zero,
+)
 from parlab.cli import BENCHES
 
 CONVENTION = re.compile(r"ratio = time of parlab / time of .+ \(below 1: parlab is faster\)")
@@ -59,8 +69,17 @@ def emulation_result():
             "targets": emulation.targets(rows)}
 
 
+def tensor_parallel_result():
+    rows = [{"t": 2, "implementation": implementation, "variant": "TP", "seconds": [seconds], "median_s": seconds,
+             "tokens_per_s": 128 / seconds, "mfu": None}
+            for implementation, seconds in (("parlab", FAST), ("torch", SLOW))]
+    return {"device": "cpu", "backend": "gloo", "torch_version": "t", "cpu_count": 2,
+            "config": {"s": 16, "h": 32, "a": 4, "L": 1}, "batch_size": 8, "steps": 1,
+            "rows": tensor_parallel.add_ratios(rows)}
+
+
 RESULTS = {"collectives": collectives_result, "ddp": ddp_result, "pipeline": pipeline_result, "zero": zero_result,
-           "runtime": runtime_result, "emulation": emulation_result}
+           "runtime": runtime_result, "emulation": emulation_result, "tensor_parallel": tensor_parallel_result}
 
 
 def test_every_bench_is_checked_here():
@@ -111,3 +130,9 @@ def test_zero_ratios_are_parlab_over_torchs_engine_of_the_same_stage():
 def test_runtime_ratio_is_the_clusters_call_over_a_fresh_spawn():
     result = runtime_result()
     assert (result["cluster_median_s"], result["spawn_median_s"], result["ratio"]) == (FAST, SLOW, 0.25)
+
+
+def test_tensor_parallel_ratio_is_parlabs_median_over_torchs_of_the_same_variant():
+    parlab_row, torch_row = tensor_parallel_result()["rows"]
+    assert parlab_row["ratio"] == 0.25 and "ratio" not in torch_row
+    assert "time / torch" in tensor_parallel.format_report(tensor_parallel_result())
