@@ -417,6 +417,8 @@ def test_a_chunk_size_off_by_one_gets_a_hint_and_costs_one_test_per_task():
 FIRST_STUB = {
     # BucketedDDP plans its buckets with the learner's assign_buckets: that stub comes first.
     "ddp": (6, {"ddp.assign_buckets": "assign_buckets", "ddp.bucketed_ddp": "assign_buckets"}),
+    "compression": (8, {"compression.topk_error_feedback": "topk_error_feedback", "compression.rand_k": "rand_k",
+                        "compression.orthogonalize": "orthogonalize", "compression.powersgd_step": "powersgd_step"}),
     "zero": (10, {"zero.sharded_optimizer": "build_optimizer",
                   "zero.reduce_scatter_gradients": "reduce_scatter_gradients"}),
     "pipeline": (10, {"pipeline.one_f_one_b": "one_f_one_b", "pipeline.stage_step": "forward_step"}),
@@ -535,3 +537,18 @@ def test_tensor_parallel_without_f_s_all_reduce_is_told_which_operator_is_missin
             assert "f (CopyToParallel) is missing its all-reduce in backward" in reason, reason
         else:
             assert "1 all-reduces in forward and 0 in backward" in reason, reason
+
+
+def test_compression_a_forgotten_residual_and_a_missing_d_over_k_lose_exactly_their_points(tmp_path):
+    # Two classic mistakes in an otherwise correct solution, graded in one run: error
+    # feedback that drops the residual (top-k alone, biased), and random-k without its d/k
+    # scale (every step k/d times too short). The grader names each from a statistic: the
+    # residual's norm, the sampled mean.
+    failed = graded_with_mistakes("compression", {"\n    return delta, p - delta": "\n    return delta, 0 * p",
+                                                  "\n    kept[indices] = flat[indices] * (d / k)":
+                                                  "\n    kept[indices] = flat[indices]"}, tmp_path)
+    assert sorted(failed) == ["test_is_unbiased_by_sampling", "test_keeps_k_positions_scaled_by_d_over_k",
+                              "test_the_residual_keeps_what_was_dropped"]
+    assert "the residual is missing" in failed["test_the_residual_keeps_what_was_dropped"]
+    assert "the d/k = 4 scale is missing" in failed["test_keeps_k_positions_scaled_by_d_over_k"]
+    assert "the mean over 4000 draws is k/d x, not x" in failed["test_is_unbiased_by_sampling"]
