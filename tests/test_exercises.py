@@ -198,7 +198,8 @@ def test_hint_prints_the_levels_in_order_then_repeats_the_last(capsys, monkeypat
 
 def test_unknown_tasks_and_levels_are_refused_with_the_choices():
     with pytest.raises(ValueError, match=r"there is no task 'collectives\.ring'; the tasks are: "
-                                         r"collectives\.ring_all_gather, .*zero\.sharded_optimizer\."):
+                                         r"async_sgd\.first_n_average, .*collectives\.ring_all_gather, "
+                                         r".*zero\.sharded_optimizer\."):
         exercises.hint("collectives.ring")
     with pytest.raises(ValueError, match="there is no task 'nope.task'"):
         exercises.hint("nope.task")
@@ -222,7 +223,7 @@ def test_the_terminal_prints_one_level_and_the_command_for_the_next(capsys):
     assert out.endswith("Next, a sketch close to the solution: python -m parlab.grade --hint "
                         "collectives.ring_allreduce --level 3\n")
     assert grade.main(["--hint", "collectives.nope"]) == 2
-    assert "the tasks are: collectives.ring_all_gather" in capsys.readouterr().err
+    assert "the tasks are: async_sgd.first_n_average, " in capsys.readouterr().err
 
 
 def test_each_reason_of_a_failed_task_ends_with_where_its_hints_are():
@@ -276,11 +277,11 @@ def test_build_never_overwrites_an_edited_exercise_unless_forced(tmp_path):
 
 
 def test_unknown_topics_are_refused_with_the_list_of_topics(capsys):
-    with pytest.raises(ValueError, match="there is no solutions/nope.py; the topics are: collectives"):
+    with pytest.raises(ValueError, match="there is no solutions/nope.py; the topics are: async_sgd, collectives"):
         exercises.build(["nope"])
     assert exercises.main(["check", "nope"]) == 2
-    assert "the topics are: collectives" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="no grading tests for 'nope'; the topics are: collectives"):
+    assert "the topics are: async_sgd, collectives" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="no grading tests for 'nope'; the topics are: async_sgd, collectives"):
         grade.check("nope.ring_allreduce")
 
 
@@ -523,6 +524,19 @@ def test_pipeline_late_backwards_and_a_missing_1_over_m_lose_exactly_their_point
     for name, reason in failed.items():
         if name.startswith("test_gradients") or name == "test_one_stage_in_one_process":
             assert "gradients are M = " in reason and "times too large: scale each micro-batch loss by 1/M" in reason
+
+
+def test_gossip_weights_that_do_not_sum_to_one_are_told_the_mean_moved(tmp_path):
+    # The classic gossip mistake in an otherwise correct solution: three values averaged over
+    # two. The mean over ranks is no longer kept, which the grader names before any value.
+    failed = graded_with_mistakes("async_sgd", {"mixed = (received[left] + x + received[right]) / 3\n":
+                                                "mixed = (received[left] + x + received[right]) / 2\n"}, tmp_path)
+    assert sorted(failed) == (
+        [f"test_averages_with_both_neighbours_and_keeps_the_mean[{n} ranks]" for n in (2, 3, 4)]
+        + [f"test_subtracts_the_gradient_at_the_old_x[{n} ranks]" for n in (3, 4)])
+    for name, reason in failed.items():
+        if name.startswith("test_averages"):
+            assert "the mean over ranks changed" in reason and "must sum to 1" in reason, reason
 
 
 def test_tensor_parallel_without_f_s_all_reduce_is_told_which_operator_is_missing(tmp_path):

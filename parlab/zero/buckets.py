@@ -12,7 +12,7 @@ layout (the bucket of the last parameter also takes the padding). During backwar
                           free p.grad
     bucket full           reduce-scatter the buffer: rank q gets the average of the part of
                           [lo, hi) inside shard q (a part may be empty); add this rank's part
-                          into the shard's .grad (shard-sized); free the buffer
+                          into this rank's averaged shard (``gradient``); free the buffer
 
 Buckets are reduced in order, as DDP launches its all-reduces, so every rank makes the same
 collectives in the same order; a bucket with a parameter that got no gradient this step is
@@ -41,12 +41,15 @@ from parlab.ddp import MB, assign_buckets
 
 class GradientBuckets:
     """Stage 2's buckets over ``parameters`` (the engine's trainable parameters, in the order of
-    ``layout``); each bucket's averaged part for this rank is added into ``shard.grad``. Hooks
-    are registered on the parameters at construction. ``measure()`` is called whenever a new
+    ``layout``); each bucket's averaged part for this rank is added into ``gradient``, this
+    rank's shard of the averaged gradient (None until the first bucket is reduced). Hooks are
+    registered on the parameters at construction. ``measure()`` is called whenever a new
     gradient and its bucket's buffer are both alive (the engine measures its peak there)."""
 
-    def __init__(self, parameters, layout, shard, bucket_cap_mb, measure):
-        self.layout, self.shard, self.measure = layout, shard, measure
+    def __init__(self, parameters, layout, bucket_cap_mb, measure):
+        self.layout, self.measure = layout, measure
+        self.dtype, self.device = parameters[0].dtype, parameters[0].device  # the gradients'
+        self.gradient = None
         self.rank = dist.get_rank()
         sizes = [p.numel() * p.element_size() for p in parameters]
         self.buckets = [self._bucket(sorted(indices)) for indices in assign_buckets(sizes, bucket_cap_mb * MB)]
@@ -84,17 +87,17 @@ class GradientBuckets:
             self.launched = 0  # a whole round: the next backward (gradient accumulation) starts another
 
     def reduce(self, bucket):
-        """Reduce-scatter ``bucket``: this rank's averaged part added into ``shard.grad``."""
+        """Reduce-scatter ``bucket``: this rank's averaged part added into ``gradient``."""
         if bucket.buffer is None:  # no gradient arrived for any of its parameters: zeros
-            bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=self.shard.dtype, device=self.shard.device)
+            bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=self.dtype, device=self.device)
         with trace.span("reduce-scatter gradients", stage=self.launched):
             ring_reduce_scatter_parts(bucket.buffer, bucket.parts)
-        if self.shard.grad is None:
-            self.shard.grad = torch.zeros_like(self.shard)
+        if self.gradient is None:
+            self.gradient = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
             self.measure()
         start, end = bucket.parts[self.rank]
         shard_start = self.layout.shard_bounds(self.rank)[0]
-        self.shard.grad[bucket.lo + start - shard_start : bucket.lo + end - shard_start].add_(bucket.buffer[start:end])
+        self.gradient[bucket.lo + start - shard_start : bucket.lo + end - shard_start].add_(bucket.buffer[start:end])
         bucket.buffer, bucket.ready = None, set()
         self.launched += 1
 
@@ -102,7 +105,7 @@ class GradientBuckets:
         """Reduce what backward left unreduced: the rest of the round of buckets begun (a
         parameter without a gradient counts zeros), then, if a later backward (gradient
         accumulation) put gradients into buckets reduced already, one more round. Afterwards
-        ``shard.grad`` holds the step's averaged shard. Returns whether any gradient arrived
+        ``gradient`` holds the step's averaged shard. Returns whether any gradient arrived
         since the last ``finish``."""
         arrived = self.arrived
         if self.launched or self.buffers():
@@ -115,10 +118,10 @@ class GradientBuckets:
         return arrived
 
     def discard(self):
-        """Forget this step's gradients (``zero_grad`` before ``step``): buffers dropped."""
+        """Forget the gradients (``zero_grad``): buffers and the averaged shard dropped."""
         for bucket in self.buckets:
             bucket.buffer, bucket.ready = None, set()
-        self.launched, self.arrived = 0, False
+        self.launched, self.arrived, self.gradient = 0, False, None
 
     def peak_bytes(self):
         """The largest gradient bytes alive at once in a step, when each bucket's gradients
@@ -126,7 +129,7 @@ class GradientBuckets:
         buffer, one of its gradients and, from the first reduce-scatter on, the shard's
         gradient, 4 s in fp32. The first bucket's buffer meets the shard's gradient when that
         is allocated, in its reduce-scatter."""
-        size = self.shard.element_size()
+        size = torch.finfo(self.dtype).bits // 8
         numels = self.layout.numels
         peaks = []
         for b, bucket in enumerate(self.buckets):

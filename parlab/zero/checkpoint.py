@@ -138,6 +138,7 @@ def load_sharded_state_dict(engine, state_dict):
             for name, tensor in engine.unsharded_tensors().items():
                 tensor.copy_(model["unsharded"][name])
             all_gather(engine.flat_param, engine.layout)
+            _zero_offloaded_shard_from_flat(engine)
     engine.optimizer.load_state_dict(state_dict["optimizer"])
 
 
@@ -162,6 +163,8 @@ def _zero_full_state_dict(engine):
 
 def _zero_load_full_state_dict(engine, state_dict):
     engine.module.load_state_dict(state_dict["model"])  # copies into the flat buffer's views
+    with torch.no_grad():
+        _zero_offloaded_shard_from_flat(engine)
     index = {id(p): i for i, p in enumerate(engine.module.parameters())}
     per_parameter = [state_dict["optimizer"]["state"].get(index[id(p)], {}) for p in engine.trainable]
     state = {}
@@ -174,6 +177,12 @@ def _zero_load_full_state_dict(engine, state_dict):
         state[key] = value.clone() if torch.is_tensor(value) else value
     group = {**state_dict["optimizer"]["param_groups"][0], "params": [0]}
     engine.optimizer.load_state_dict({"state": {0: state} if state else {}, "param_groups": [group]})
+
+
+def _zero_offloaded_shard_from_flat(engine):
+    """With offload the optimizer steps a host copy of the shard: give it the loaded values."""
+    if engine.offload:
+        engine.shard.copy_(engine.layout.shard(engine.flat_param, engine.rank))
 
 
 def _zero_gather(engine, value):

@@ -55,6 +55,17 @@ With one bucket for the whole model (a model under 25 MiB at the default cap) st
 is above stage 1's, by one gradient: its saving is then only the 4 Psi (N_d - 1)/N_d bytes
 it does not keep between steps.
 
+Offload (ZeRO-Offload; ``offload=True``, stages 1 and 2). The optimizer's shard is a host (CPU)
+copy of this rank's fp32 parameter shard and the optimizer keeps its state there: kappa s
+bytes of state (s = padded Psi / N_d) leave the device, and the host holds the shard, its
+gradient and the state, (4 + 4 + kappa) s (``host_state_bytes()``; ``model_state_bytes()``
+is then the device's part: 4 padded Psi of parameters, the gradients of the stage, no
+optimizer state). Each step moves the averaged gradient shard to the host after the RS and
+the updated parameter shard back before the AG: 4 s + 4 s bytes per rank across the host link
+(``offload_bytes_per_step``), counted from the tensors copied in ``engine.offload_bytes``.
+(ZeRO-Offload computes in fp16 and sends 2-byte parameters back; here all is fp32.) Without
+an accelerator host and device are the same CPU: the copies are real, in one memory.
+
 Frozen parameters (``requires_grad=False``) are left as they are: not flattened, not
 sharded, not counted. Construction broadcasts rank 0's trainable parameters (one
 ``parlab.p2p.broadcast`` of the flat buffer), frozen parameters and buffers, so the replicas
@@ -72,6 +83,19 @@ from parlab.zero.buckets import GradientBuckets
 STAGES = (0, 1, 2)
 
 
+def offload_bytes_per_step(padded_numel, world_size, element_bytes=4):
+    """Bytes that ``ZeroDP(..., offload=True)`` moves per rank and step between device and
+    host: {"gradients to host": e s, "parameters to device": e s}, with s = padded_numel / N_d
+    the shard's elements and e = ``element_bytes`` (4 in fp32)."""
+    _checks.whole_number("padded_numel", padded_numel, "pass the flat buffer's padded numel (layout.padded_numel).")
+    N = _checks.whole_number("world_size (N_d)", world_size, "pass the number of ranks, e.g. 4.")
+    if padded_numel % N:
+        raise ValueError(f"padded_numel ({padded_numel}) must be a multiple of N_d ({N}): pass the padded numel "
+                         "(engine.layout.padded_numel), not Psi.")
+    e = _checks.whole_number("element_bytes", element_bytes, "pass the bytes of one element, 4 in fp32.")
+    return {"gradients to host": e * padded_numel // N, "parameters to device": e * padded_numel // N}
+
+
 class ZeroDP(torch.nn.Module):
     """ZeRO stage ``stage`` (0, 1 or 2; table above) over the default process group.
 
@@ -81,10 +105,11 @@ class ZeroDP(torch.nn.Module):
     then ``step()`` after ``loss.backward()``, and ``zero_grad()`` on the engine (not on the
     model: module gradients are views into the engine's flat buffer). ``bucket_cap_mb``
     (stage 2 only, default 25 MiB): the largest bucket of gradients reduce-scattered together
-    during backward.
+    during backward. ``offload=True`` (stages 1, 2; ZeRO-Offload): the optimizer's shard and
+    state live in host memory (section "Offload" above).
     """
 
-    def __init__(self, model, optimizer_class, stage=2, bucket_cap_mb=None, **optimizer_kwargs):
+    def __init__(self, model, optimizer_class, stage=2, bucket_cap_mb=None, offload=False, **optimizer_kwargs):
         super().__init__()
         if stage not in STAGES:
             raise ValueError(
@@ -96,11 +121,14 @@ class ZeroDP(torch.nn.Module):
         if bucket_cap_mb is not None and stage != 2:
             raise ValueError(f"bucket_cap_mb is for stage 2, which reduce-scatters its gradients in buckets during "
                              f"backward; stage {stage} reduce-scatters the whole flat gradient after it: drop it.")
+        if offload not in (True, False) or (offload and stage == 0):
+            raise ValueError(f"offload=True moves this rank's shard of the optimizer state to the host: it needs "
+                             f"stage 1 or 2 (got stage={stage}, offload={offload!r}); pass True or False.")
         bucket_cap_mb = _checks.real_number(
             "bucket_cap_mb (the size of a bucket in MiB)", 25 if bucket_cap_mb is None else bucket_cap_mb,
             "a bucket must hold something: pass a number of MiB such as 25 (math.inf: one bucket).", above=True,
             infinite=True)
-        self.module, self.stage = model, stage
+        self.module, self.stage, self.offload = model, stage, offload
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         if not self.trainable:
             raise ValueError("the model has no trainable parameters (requires_grad=True): there is nothing to train.")
@@ -117,14 +145,16 @@ class ZeroDP(torch.nn.Module):
             for p, view in zip(self.trainable, self.layout.views(self.flat_param)):
                 p.data = view  # the module now computes with the flat buffer
         mine = self.flat_param if stage == 0 else self.layout.shard(self.flat_param, self.rank)
-        # A view, sharing the flat buffer's storage. Not registered as the engine's parameter:
+        if offload:
+            mine = mine.to("cpu", copy=True)  # ZeRO-Offload: the optimizer steps a host copy
+        # Otherwise a view, sharing the flat buffer's storage. Not registered as the engine's parameter:
         # engine.parameters() are the model's, the shard is the optimizer's handle on them.
         object.__setattr__(self, "shard", torch.nn.Parameter(mine))
+        self.offload_bytes = {}  # bytes each copy of the last step moved between device and host
         self.optimizer = optimizer_class([self.shard], **optimizer_kwargs)
         self.flat_grad, self.buckets, self.peak_gradient_bytes = None, None, 0
         if stage == 2:
-            self.buckets = GradientBuckets(self.trainable, self.layout, self.shard, bucket_cap_mb,
-                                           self._measure_gradients)
+            self.buckets = GradientBuckets(self.trainable, self.layout, bucket_cap_mb, self._measure_gradients)
         else:
             self._attach_gradient_buffer()
             for p in self.trainable:
@@ -143,12 +173,15 @@ class ZeroDP(torch.nn.Module):
         Stage 0: RS + AG of the gradients (a ring all-reduce), then the optimizer steps the
         full parameters on every rank. Stage 1: RS of the gradients, the optimizer steps this
         rank's shard, AG of the parameters. Stage 2: its buckets were reduce-scattered during
-        backward (any left, with a gradient missing, now); then as stage 1.
+        backward (any left, with a gradient missing, now); then as stage 1. With ``offload``,
+        the averaged gradient shard goes to the host before the optimizer step and the updated
+        parameter shard comes back before the all-gather.
         """
         if self.stage == 2:
             if not self.buckets.finish():
                 raise ValueError("step() needs this step's gradients: run forward through the engine and "
                                  "backward first.")
+            averaged = self.buckets.gradient
         else:
             self._check_gradients()
             with trace.span("reduce-scatter gradients"):
@@ -156,11 +189,21 @@ class ZeroDP(torch.nn.Module):
         if self.stage == 0:
             with trace.span("all-gather gradients"):
                 self.shard.grad = all_gather(self.flat_grad, self.layout)
-        elif self.stage == 1:
+        elif self.offload:
+            with trace.span("gradients to host"):
+                self.shard.grad = averaged.to("cpu", copy=True)
+            self.offload_bytes["gradients to host"] = averaged.nbytes
+            if self.stage == 2:
+                self.buckets.gradient = None  # the device's copy is no longer needed
+        else:
             self.shard.grad = averaged
         self._measure_gradients()
         with trace.span("optimizer"):
             self.optimizer.step()
+        if self.offload:
+            with trace.span("parameters to device"), torch.no_grad():
+                self.layout.shard(self.flat_param, self.rank).copy_(self.shard)
+            self.offload_bytes["parameters to device"] = self.shard.nbytes
         if self.stage > 0:
             with trace.span("all-gather parameters"):
                 all_gather(self.flat_param, self.layout)
@@ -181,7 +224,7 @@ class ZeroDP(torch.nn.Module):
         """Bytes of the gradient tensors alive on this rank now: the flat gradient (stages 0,
         1), the module gradients, stage 2's bucket buffers and gradient shard, each storage
         once (views of the flat gradient add nothing)."""
-        buffers = self.buckets.buffers() if self.stage == 2 else []
+        buffers = [*self.buckets.buffers(), self.buckets.gradient] if self.stage == 2 else []
         tensors = [self.flat_grad, self.shard.grad, *(p.grad for p in self.trainable), *buffers]
         return measure_model_state([], tensors, []).grads
 
@@ -189,11 +232,23 @@ class ZeroDP(torch.nn.Module):
         self.peak_gradient_bytes = max(self.peak_gradient_bytes, self.gradient_bytes())
 
     def model_state_bytes(self):
-        """The ``parlab.memory.ModelState`` this rank holds, measured from its storages."""
-        grads = [self.flat_grad, self.shard.grad, *(p.grad for p in self.trainable),
-                 *(self.buckets.buffers() if self.stage == 2 else [])]
-        states = [value for state in self.optimizer.state.values() for value in state.values()]
-        return measure_model_state([self.flat_param, *self.trainable], grads, [s for s in states if torch.is_tensor(s)])
+        """The ``parlab.memory.ModelState`` this rank holds on its device, measured from its
+        storages (with ``offload``, what the host holds is ``host_state_bytes()``)."""
+        grads = [self.flat_grad, *(p.grad for p in self.trainable),
+                 *([*self.buckets.buffers(), self.buckets.gradient] if self.stage == 2 else [])]
+        if self.offload:
+            return measure_model_state([self.flat_param, *self.trainable], grads, [])
+        return measure_model_state([self.flat_param, *self.trainable], [*grads, self.shard.grad], self._states())
+
+    def host_state_bytes(self):
+        """With ``offload``: the ``ModelState`` in host memory, the optimizer's shard (params),
+        its gradient (grads) and its state (optimizer); without, zeros."""
+        if not self.offload:
+            return measure_model_state([], [], [])
+        return measure_model_state([self.shard], [self.shard.grad], self._states())
+
+    def _states(self):
+        return [value for state in self.optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
 
     def full_parameters(self):
         """{name: full parameter}, frozen ones included: every rank holds them all already."""
