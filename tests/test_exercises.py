@@ -416,6 +416,9 @@ def test_a_chunk_size_off_by_one_gets_a_hint_and_costs_one_test_per_task():
 
 # topic -> (full marks, the stub a learner meets first in each task when nothing is written)
 FIRST_STUB = {
+    "async_sgd": (13, {"async_sgd.gossip_ring_step": "gossip_ring_step",
+                       "async_sgd.parameter_server_worker": "parameter_server_worker",
+                       "async_sgd.first_n_average": "first_n_average"}),
     # BucketedDDP plans its buckets with the learner's assign_buckets: that stub comes first.
     "ddp": (6, {"ddp.assign_buckets": "assign_buckets", "ddp.bucketed_ddp": "assign_buckets"}),
     "compression": (8, {"compression.topk_error_feedback": "topk_error_feedback", "compression.rand_k": "rand_k",
