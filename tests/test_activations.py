@@ -6,7 +6,6 @@ checkpointing a chain of n layers in segments of k holds n/k + k layers at its p
 
 import pytest
 import torch
-from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from parlab.gpt import Block, GPTConfig
@@ -17,6 +16,7 @@ from parlab.tensor_parallel.activations import (
     korthikanti_bytes,
     layer_bytes,
     layer_saved_bytes,
+    measure_checkpointed_chain,
     measure_saved_bytes,
 )
 from parlab.tensor_parallel.model import ParallelBlock
@@ -78,31 +78,9 @@ def test_a_tensor_parallel_layer_saves_what_the_accounting_says_on_every_rank(t,
         assert cluster.run(measure_parallel_layer, sequence_parallel, dropout, timeout=60) == [expected] * t
 
 
-def chain_peak(n, k, width=64, rows=8):
-    """Peak bytes saved by n layers of tanh(linear), checkpointed in segments of k, in units
-    of one layer's saved tensor (tanh's output, which the next linear also saves)."""
-    torch.manual_seed(0)
-    layers = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
-
-    def segment(z, first):
-        for layer in layers[first:first + k]:
-            z = torch.tanh(layer(z))
-        return z
-
-    with SavedBytes(exclude=layers) as saved:
-        z = torch.randn(rows, width, requires_grad=True)
-        for first in range(0, n, k):
-            z = checkpoint(segment, z, first, use_reentrant=True)
-        kept = saved.live
-        z.sum().backward()
-    unit = rows * width * 4
-    assert saved.live == 0 and kept == n // k * unit  # the segment inputs, all freed after backward
-    return saved.peak / unit
-
-
 def test_checkpointing_every_k_of_n_layers_holds_n_over_k_plus_k_at_its_peak():
     n = 16
-    peaks = {k: chain_peak(n, k) for k in (1, 2, 4, 8, 16)}
+    peaks = {k: measure_checkpointed_chain(n, k) for k in (1, 2, 4, 8, 16)}
     assert peaks == {k: checkpoint_peak_units(n, k) for k in peaks}
     assert min(peaks, key=peaks.get) == 4  # sqrt(16)
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parlab import trace
+from parlab.bench.tensor_parallel import COLLECTIVES, collectives_by_phase
 from parlab.gpt import GPT, MLP, CharDataset, GPTConfig
 from parlab.numerics import assert_equivalent
 from parlab.tensor_parallel import ParallelGPT
@@ -21,7 +22,6 @@ from parlab.tensor_parallel.model import ParallelMLP
 
 CONFIG = GPTConfig(V=64, s=16, h=32, a=4, L=3)
 B = 4
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter")
 TORCH_NAMES = {"all_reduce": "all-reduce", "all_gather_into_tensor": "all-gather",
                "reduce_scatter_tensor": "reduce-scatter"}  # CommDebugMode's names of the same collectives
 
@@ -34,19 +34,6 @@ def traced_step(sequence_parallel):
         loss = model.loss(x, y)
     with trace.span("backward"):
         loss.backward()
-
-
-def collectives_by_phase(timeline, rank):
-    """{(phase, collective): [bytes this rank sent in each call]} from the spans."""
-    phases = {p: timeline.select(rank=rank, name=p)[0] for p in ("forward", "backward")}
-    sends = [ev for ev in timeline.select(rank=rank, kind=trace.COMM) if ev.name in ("send", "isend")]
-    found = {}
-    for name in COLLECTIVES:
-        for span in timeline.select(rank=rank, name=name):
-            phase = next(p for p, outer in phases.items() if outer.start <= span.start <= outer.end)
-            sent = sum(ev.nbytes for ev in sends if span.start <= ev.start <= span.end)
-            found.setdefault((phase, name), []).append(sent)
-    return found
 
 
 def split_by_size(found, least):

@@ -23,6 +23,10 @@ torch.distributed (gloo or NCCL), parlab's through its own ring on point-to-poin
 on a CPU the difference is mostly the ring's 2 (t - 1) messages per all-reduce against
 gloo's own algorithm. MFU, on a GPU with ``--peak-tflops``: model FLOPs (3 x the forward's
 24 b s h^2 + 4 b s^2 h per layer) per second over t x the peak.
+
+Lecture 07's measurements live here too: ``collectives_by_phase`` counts parlab's
+tensor-parallel collectives in a trace, ``time_layers`` times the layers' steps on a cluster
+in its regime (real or emulated link).
 """
 
 import copy
@@ -34,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parlab import runtime
+from parlab import runtime, trace
 from parlab.bench import (
     check_arguments,
     format_seconds,
@@ -196,6 +200,59 @@ def torch_parallelize(model, sequence_parallel, device):
         else:
             plan |= {f"{i}.attention.proj": RowwiseParallel(), f"{i}.mlp.fc2": RowwiseParallel()}
     return parallelize_module(model, mesh, plan)
+
+
+# --- the lecture's measurements: collectives counted and timed from the trace -----------------
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter")
+
+
+def collectives_by_phase(timeline, rank):
+    """{(phase, collective): [bytes ``rank`` sent in each call]} of a traced call whose steps
+    mark "forward" and "backward" spans (the first of each) around parlab's tensor-parallel
+    collectives (spans "all-reduce", "all-gather", "reduce-scatter")."""
+    phases = {p: timeline.select(rank=rank, name=p)[0] for p in ("forward", "backward")}
+    sends = [ev for ev in timeline.select(rank=rank, kind="comm") if ev.name in ("send", "isend")]
+    found = {}
+    for name in COLLECTIVES:
+        for span in timeline.select(rank=rank, name=name):
+            phase = next((p for p, outer in phases.items() if outer.start <= span.start <= outer.end), None)
+            if phase is not None:
+                sent = sum(ev.nbytes for ev in sends if span.start <= ev.start <= span.end)
+                found.setdefault((phase, name), []).append(sent)
+    return found
+
+
+def train_layers(config, batch_size, steps, sequence_parallel=False):
+    """On every rank of a tensor-parallel group (all ranks): ``steps`` training steps (SGD) of
+    the small GPT's L layers split by ``ParallelBlock`` on random hidden states (b, s, h),
+    each marked with spans "step", "forward" and "backward"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(ParallelBlock(Block(config), None, sequence_parallel) for _ in range(config.L)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    t, r = dist.get_world_size(), dist.get_rank()
+    x = torch.randn(batch_size, config.s, config.h, generator=torch.Generator().manual_seed(1))
+    x = x.chunk(t, 1)[r].contiguous() if sequence_parallel else x
+    for _ in range(steps):
+        with trace.span("step"):
+            optimizer.zero_grad()
+            with trace.span("forward"):
+                loss = model(x).pow(2).mean()
+            with trace.span("backward"):
+                loss.backward()
+            optimizer.step()
+
+
+def time_layers(cluster, config, batch_size, steps=3):
+    """Step times of ``train_layers`` on ``cluster`` in its current regime (one warm-up step,
+    then ``steps``): {"step_s": [each step, first rank's start to last rank's end],
+    "all_reduce_s": [every all-reduce of the timed steps on rank 0], "timeline": the last step}."""
+    check_arguments(batch_size=batch_size, steps=steps)
+    timeline = cluster.trace(train_layers, config, batch_size, 1 + steps)
+    windows = [timeline.window("step", i) for i in range(1, 1 + steps)]
+    return {"step_s": [w.duration for w in windows],
+            "all_reduce_s": [ev.duration for w in windows for ev in w.select(rank=0, name="all-reduce")],
+            "timeline": windows[-1]}
 
 
 def format_report(result):

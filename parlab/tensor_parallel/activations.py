@@ -44,7 +44,7 @@ import weakref
 import torch
 
 __all__ = ["korthikanti_bytes", "layer_saved_bytes", "layer_bytes", "dropout_mask_bytes", "SavedBytes",
-           "measure_saved_bytes", "checkpoint_peak_units"]
+           "measure_saved_bytes", "checkpoint_peak_units", "measure_checkpointed_chain"]
 
 
 def korthikanti_bytes(s, b, h, a, t=1, sequence_parallel=False, recompute=False):
@@ -114,6 +114,30 @@ def checkpoint_peak_units(n, k):
     if not (isinstance(n, int) and isinstance(k, int) and 1 <= k <= n and n % k == 0):
         raise ValueError(f"segments of k = {k!r} layers must divide the n = {n!r} layers: choose k a divisor of n.")
     return n // k + k
+
+
+def measure_checkpointed_chain(n, k, width=64, rows=8):
+    """Peak bytes saved by a chain of n layers tanh(linear(x)) (x of ``rows`` x ``width``),
+    checkpointed in segments of k (torch's reentrant checkpoint: forward keeps each segment's
+    input, backward recomputes one segment at a time), in units of one layer's saved tensor
+    (tanh's output, which the next linear also saves): compare ``checkpoint_peak_units(n, k)``."""
+    from torch.utils.checkpoint import checkpoint
+
+    checkpoint_peak_units(n, k)
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(n))
+
+    def segment(z, first):
+        for layer in layers[first:first + k]:
+            z = torch.tanh(layer(z))
+        return z
+
+    with SavedBytes(exclude=layers) as saved:
+        z = torch.randn(rows, width, requires_grad=True)
+        for first in range(0, n, k):
+            z = checkpoint(segment, z, first, use_reentrant=True)
+        z.sum().backward()
+    return saved.peak / (rows * width * 4)
 
 
 class SavedBytes:
