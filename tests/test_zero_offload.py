@@ -67,17 +67,18 @@ def test_offload_trains_bit_for_bit_and_moves_the_formulas_bytes(world, request)
                 parameters, moved, device, host, padded, shard_device = results[stage, name, True]
                 label = f"rank {rank}, stage {stage}, {name}"
                 assert all(torch.equal(parameters[key], plain[key]) for key in plain), label
-                s = padded // N
-                assert moved == offload_bytes_per_step(padded, N) == {"gradients to host": 4 * s,
-                                                                      "parameters to device": 4 * s}, label
+                shard = padded // N
+                assert moved == offload_bytes_per_step(padded, N) == {"gradients to host": 4 * shard,
+                                                                      "parameters to device": 4 * shard}, label
                 assert shard_device == torch.device("cpu")
                 step_count = 4 if name == "Adam" else 0  # Adam's step, one fp32 scalar
                 # the host: the fp32 shard, its gradient and the optimizer state
-                assert (host.params, host.grads, host.optimizer) == (4 * s, 4 * s, kappa[name] * s + step_count), label
+                held = (host.params, host.grads, host.optimizer)
+                assert held == (4 * shard, 4 * shard, kappa[name] * shard + step_count), label
                 # the device: the parameters, stage 1's flat gradient, no optimizer state
                 assert (device.params, device.grads, device.optimizer) == (4 * padded, 4 * padded if stage == 1 else 0,
                                                                            0), label
-                assert plain_host.total == 0 and plain_device.optimizer == kappa[name] * s + step_count, label
+                assert plain_host.total == 0 and plain_device.optimizer == kappa[name] * shard + step_count, label
                 assert results[stage, name, False][1] == {}, label  # nothing moves without offload
 
 
@@ -107,7 +108,7 @@ def test_offload_needs_stage_1_or_2_and_the_formula_a_padded_numel():
         offload_bytes_per_step(113, 4)
 
 
-WIDTH = 128  # 2 x (128 x 128 + 128) = 33 024 parameters: at N_d = 2 a shard of 4 s = 66 048 bytes, 129 x 512
+WIDTH = 128  # 2 x (128 x 128 + 128) = 33 024 parameters: at N_d = 2 a shard of 66 048 bytes, 129 x 512
 
 
 def device_memory(stage, offload):
@@ -142,9 +143,9 @@ def test_on_a_gpu_offload_frees_the_optimizer_state_from_device_memory(stage):
     with parlab.Cluster(2, device="cuda", timeout=120) as cluster:
         for rank, measured in enumerate(cluster.run(memory_with_and_without_offload, stage, timeout=120)):
             (rest, peak, padded), (rest_offloaded, peak_offloaded, _) = measured[False], measured[True]
-            s = padded // 2
-            # Adam's exp_avg and exp_avg_sq (8 s bytes; its step count stays on the CPU) and, at stage 2,
-            # the averaged gradient shard (4 s) live on the host instead
-            moved = 8 * s + (4 * s if stage == 2 else 0)
+            shard = padded // 2
+            # Adam's exp_avg and exp_avg_sq (8 bytes a shard element; its step count stays on the CPU) and,
+            # at stage 2, the averaged gradient shard (4 bytes an element) live on the host instead
+            moved = 8 * shard + (4 * shard if stage == 2 else 0)
             assert rest - rest_offloaded == moved, rank
-            assert peak - peak_offloaded >= 8 * s, rank  # the state was on the device all through the 2nd step
+            assert peak - peak_offloaded >= 8 * shard, rank  # the state was on the device all through the 2nd step

@@ -2,7 +2,7 @@
 by bucket, so a full-size gradient of the whole model never exists (as DeepSpeed's ZeRO-2).
 
 The trainable parameters lie end to end in the engine's padded flat layout (``FlatLayout``),
-rank r owning shard r, [r s, (r + 1) s) with s = padded Psi / N_d. They are grouped into
+rank r owning shard r (padded Psi / N_d elements from r x padded Psi / N_d). They are grouped into
 buckets of up to ``bucket_cap_mb`` in reverse order (``parlab.ddp.assign_buckets``: backward
 meets the last layers first); a bucket of consecutive parameters is one range [lo, hi) of the
 layout (the bucket of the last parameter also takes the padding). During backward:
@@ -22,10 +22,10 @@ The reduce-scatter of a bucket is a ring over uneven parts (``ring_reduce_scatte
 the steps of ``parlab.collectives.ring_steps``, part q ending, averaged, on rank q. Each part
 is summed in the same order as by a ring reduce-scatter of the whole flat buffer, so stage 2's
 averaged shard is bit for bit stage 1's; and each rank sends every part but its own, so over
-all buckets it sends padded Psi - s elements: a ring reduce-scatter's (N_d - 1)/N_d x 4 padded
+all buckets it sends (N_d - 1)/N_d x padded Psi elements: a ring reduce-scatter's (N_d - 1)/N_d x 4 padded
 Psi bytes in fp32, in more messages (one per non-empty part and step).
 
-Memory: the gradients live are this rank's averaged shard (4 s bytes), the buffers of the
+Memory: the gradients live are this rank's averaged shard (4 padded Psi / N_d bytes), the buffers of the
 buckets not yet reduced (one at a time when gradients arrive in bucket order) and the one
 gradient just produced, against stage 1's full flat gradient of 4 padded Psi bytes.
 """
@@ -127,7 +127,7 @@ class GradientBuckets:
         """The largest gradient bytes alive at once in a step, when each bucket's gradients
         arrive one at a time and before the next bucket's (a chain of layers): bucket b's
         buffer, one of its gradients and, from the first reduce-scatter on, the shard's
-        gradient, 4 s in fp32. The first bucket's buffer meets the shard's gradient when that
+        gradient (4 padded Psi / N_d bytes in fp32). The first bucket's buffer meets the shard's gradient when that
         is allocated, in its reduce-scatter."""
         size = torch.finfo(self.dtype).bits // 8
         numels = self.layout.numels

@@ -56,12 +56,12 @@ is above stage 1's, by one gradient: its saving is then only the 4 Psi (N_d - 1)
 it does not keep between steps.
 
 Offload (ZeRO-Offload; ``offload=True``, stages 1 and 2). The optimizer's shard is a host (CPU)
-copy of this rank's fp32 parameter shard and the optimizer keeps its state there: kappa s
-bytes of state (s = padded Psi / N_d) leave the device, and the host holds the shard, its
-gradient and the state, (4 + 4 + kappa) s (``host_state_bytes()``; ``model_state_bytes()``
-is then the device's part: 4 padded Psi of parameters, the gradients of the stage, no
-optimizer state). Each step moves the averaged gradient shard to the host after the RS and
-the updated parameter shard back before the AG: 4 s + 4 s bytes per rank across the host link
+copy of this rank's fp32 parameter shard and the optimizer keeps its state there: kappa Psi / N_d
+bytes of state (Psi padded, here and below) leave the device, and the host holds the shard,
+its gradient and the state, (4 + 4 + kappa) Psi / N_d (``host_state_bytes()``;
+``model_state_bytes()`` is then the device's part: 4 Psi of parameters, the gradients of the
+stage, no optimizer state). Each step moves the averaged gradient shard to the host after the
+RS and the updated parameter shard back before the AG: 4 Psi / N_d bytes each way per rank
 (``offload_bytes_per_step``), counted from the tensors copied in ``engine.offload_bytes``.
 (ZeRO-Offload computes in fp16 and sends 2-byte parameters back; here all is fp32.) Without
 an accelerator host and device are the same CPU: the copies are real, in one memory.
@@ -85,8 +85,8 @@ STAGES = (0, 1, 2)
 
 def offload_bytes_per_step(padded_numel, world_size, element_bytes=4):
     """Bytes that ``ZeroDP(..., offload=True)`` moves per rank and step between device and
-    host: {"gradients to host": e s, "parameters to device": e s}, with s = padded_numel / N_d
-    the shard's elements and e = ``element_bytes`` (4 in fp32)."""
+    host: {"gradients to host": b, "parameters to device": b}, b = ``element_bytes`` x
+    padded_numel / N_d (a shard; 4 bytes an element in fp32)."""
     _checks.whole_number("padded_numel", padded_numel, "pass the flat buffer's padded numel (layout.padded_numel).")
     N = _checks.whole_number("world_size (N_d)", world_size, "pass the number of ranks, e.g. 4.")
     if padded_numel % N:
