@@ -9,7 +9,7 @@
 import argparse
 
 from parlab import doctor
-from parlab.bench import collectives, ddp, emulation, pipeline, runtime, tensor_parallel, to_json, zero
+from parlab.bench import collectives, compression, ddp, emulation, pipeline, runtime, tensor_parallel, to_json, zero
 
 # A bench is a module of parlab.bench (see its docstring for what the module provides);
 # registering it here is all the command line needs.
@@ -21,6 +21,7 @@ BENCHES = {
     "pipeline": pipeline,
     "zero": zero,
     "tensor_parallel": tensor_parallel,
+    "compression": compression,
 }
 
 

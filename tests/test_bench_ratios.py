@@ -8,6 +8,7 @@ import pytest
 
 from parlab.bench import (
     collectives,
+    compression,
     ddp,
     emulation,
     pipeline,
@@ -78,8 +79,22 @@ def tensor_parallel_result():
             "rows": tensor_parallel.add_ratios(rows)}
 
 
+def compression_result():
+    def row(name, median, sent):
+        return {"name": name, "seconds": [median], "median_s": median, "sent": sent, "losses": [0.5], "times": [median]}
+
+    rows = compression.add_ratios([row("dense", SLOW, 800), row("top-k 1% + EF", FAST, 100)])
+    torch_rows = compression.torch_ratios([row("torch dense", SLOW, 0), row("torch fp16_compress_hook", 2.0, 0)],
+                                          rows, [(8, 8), (8,)])
+    return {"torch_version": "t", "cpu_count": 2, "world_size": 2, "steps": 1, "hidden": 8, "depth": 1,
+            "compute_s": 0.01, "parameters": 72, "ratio_means": ratio_header(compression.REFERENCE),
+            "regimes": [{"link": {"latency": 1e-4, "bandwidth": 1e8}, "rows": rows}], "real": rows,
+            "torch": torch_rows}
+
+
 RESULTS = {"collectives": collectives_result, "ddp": ddp_result, "pipeline": pipeline_result, "zero": zero_result,
-           "runtime": runtime_result, "emulation": emulation_result, "tensor_parallel": tensor_parallel_result}
+           "runtime": runtime_result, "emulation": emulation_result, "tensor_parallel": tensor_parallel_result,
+           "compression": compression_result}
 
 
 def test_every_bench_is_checked_here():
@@ -136,3 +151,12 @@ def test_tensor_parallel_ratio_is_parlabs_median_over_torchs_of_the_same_variant
     parlab_row, torch_row = tensor_parallel_result()["rows"]
     assert parlab_row["ratio"] == 0.25 and "ratio" not in torch_row
     assert "time / torch" in tensor_parallel.format_report(tensor_parallel_result())
+
+
+def test_compression_ratios_are_the_compressors_over_the_dense_step():
+    result = compression_result()
+    dense, topk = result["real"]
+    assert (topk["time_ratio"], topk["bytes_ratio"], dense["time_ratio"]) == (0.25, 0.125, 1)
+    torch_dense, fp16 = result["torch"]
+    assert (fp16["time_ratio"], fp16["bytes_ratio"], fp16["parlab_over_torch"]) == (0.5, 0.5, None)
+    assert torch_dense["parlab_over_torch"] == 1  # parlab's dense over torch's dense DDP
