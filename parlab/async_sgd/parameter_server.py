@@ -33,6 +33,7 @@ it through the servers: a server moves O(W d / S) per round of W pushes, where a
 all-reduce moves 2 (N - 1)/N d per rank whatever N is.
 """
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -49,11 +50,13 @@ from parlab.runtime import emulation
 @dataclass
 class ServerLog:
     """What one server did: the staleness tau and the worker of each applied gradient, in
-    the order applied, and its shard of the weights at the end."""
+    the order applied, and its shard of the weights at the end; with ``record``, the
+    perf_counter time and a copy of the shard after each applied gradient (``history``)."""
 
     weights: torch.Tensor
     staleness: list = field(default_factory=list)
     workers: list = field(default_factory=list)
+    history: list = field(default_factory=list)
 
 
 @dataclass
@@ -69,13 +72,15 @@ class WorkerLog:
         return len(self.staleness)
 
 
-def parameter_server(weights, gradient, lr, updates, servers=(0,), order="arrival", bound=None, seconds=0.0):
+def parameter_server(weights, gradient, lr, updates, servers=(0,), order="arrival", bound=None, seconds=0.0,
+                     record=False):
     """Asynchronous SGD on every rank: ranks in ``servers`` serve, the others work.
 
     weights: the initial flat weights (d,), the same on every rank (servers take their shard).
     gradient(w, step) -> g (d,): a worker's gradient at w, its ``step``-th (0, 1, ...).
     seconds: declared compute time of one gradient (``emulation.compute``, scaled by the
-    cluster's emulated devices). Returns a ``ServerLog`` on a server, a ``WorkerLog`` on a worker.
+    cluster's emulated devices). record: servers keep (time, weights) after every update.
+    Returns a ``ServerLog`` on a server, a ``WorkerLog`` on a worker.
     """
     rank, N = dist.get_rank(), dist.get_world_size()
     servers = sorted(set(servers))
@@ -93,11 +98,11 @@ def parameter_server(weights, gradient, lr, updates, servers=(0,), order="arriva
     if rank in servers:
         s = servers.index(rank)
         lo, hi = bounds[s]
-        return serve(flat[lo:hi].clone(), workers, lr, updates if s == 0 else None, order, bound)
+        return serve(flat[lo:hi].clone(), workers, lr, updates if s == 0 else None, order, bound, record)
     return work(gradient, servers, bounds, flat.dtype, seconds)
 
 
-def serve(shard, workers, lr, updates=None, order="arrival", bound=None):
+def serve(shard, workers, lr, updates=None, order="arrival", bound=None, record=False):
     """Serve ``shard`` to ``workers`` until all have left (see the module's docstring).
     ``updates``: this server decides when workers stop (server 0); None: another one does."""
     log = ServerLog(shard)
@@ -116,6 +121,8 @@ def serve(shard, workers, lr, updates=None, order="arrival", bound=None):
             version += 1
             clocks[worker] += 1
             held.append((worker, tau))
+            if record:
+                log.history.append((time.perf_counter(), shard.clone()))
         stop = updates is not None and version >= updates
         for w, tau in list(held):
             slowest = min(clocks[a] for a in (*queue, *dict(held)))
