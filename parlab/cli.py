@@ -9,7 +9,18 @@
 import argparse
 
 from parlab import doctor
-from parlab.bench import collectives, compression, ddp, emulation, pipeline, runtime, tensor_parallel, to_json, zero
+from parlab.bench import (
+    async_sgd,
+    collectives,
+    compression,
+    ddp,
+    emulation,
+    pipeline,
+    runtime,
+    tensor_parallel,
+    to_json,
+    zero,
+)
 
 # A bench is a module of parlab.bench (see its docstring for what the module provides);
 # registering it here is all the command line needs.
@@ -22,6 +33,7 @@ BENCHES = {
     "zero": zero,
     "tensor_parallel": tensor_parallel,
     "compression": compression,
+    "async": async_sgd,
 }
 
 

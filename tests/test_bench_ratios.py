@@ -7,6 +7,7 @@ import re
 import pytest
 
 from parlab.bench import (
+    async_sgd,
     collectives,
     compression,
     ddp,
@@ -92,9 +93,19 @@ def compression_result():
             "torch": torch_rows}
 
 
+def async_result():
+    def row(method, seconds):
+        return {"method": method, "workers": 2, "gradients": 8, "seconds": seconds, "final_loss": 0.5,
+                "losses": [1.0, 0.5], "times": [0.0, seconds]}
+
+    return {"torch_version": "t", "cpu_count": 2, "world_size": 2, "steps": 4, "compute_s": 0.01, "period": 4,
+            "regime": "emulated: link", "ratio_means": ratio_header(async_sgd.REFERENCE),
+            "rows": async_sgd.add_ratios([row("sync", SLOW), row("gossip", FAST)])}
+
+
 RESULTS = {"collectives": collectives_result, "ddp": ddp_result, "pipeline": pipeline_result, "zero": zero_result,
            "runtime": runtime_result, "emulation": emulation_result, "tensor_parallel": tensor_parallel_result,
-           "compression": compression_result}
+           "compression": compression_result, "async": async_result}
 
 
 def test_every_bench_is_checked_here():
@@ -160,3 +171,8 @@ def test_compression_ratios_are_the_compressors_over_the_dense_step():
     torch_dense, fp16 = result["torch"]
     assert (fp16["time_ratio"], fp16["bytes_ratio"], fp16["parlab_over_torch"]) == (0.5, 0.5, None)
     assert torch_dense["parlab_over_torch"] == 1  # parlab's dense over torch's dense DDP
+
+
+def test_async_ratio_is_each_methods_time_over_syncs():
+    sync, gossip = async_result()["rows"]
+    assert (sync["ratio"], gossip["ratio"]) == (1, 0.25)
