@@ -23,7 +23,7 @@ from parlab.compression import (
     orthogonalize,
     topk_pays,
 )
-from parlab.compression.travel import all_gather_sent, pack, ring_allreduce_sent, unpack
+from parlab.compression.travel import all_gather_sent, pack, ring_allreduce_sent, seconds, sent, unpack
 
 D, SAMPLES = 24, 4000
 SIGMAS = 5  # a 5-standard-error miss happens about once in 1.7 million: a failure means a bug
@@ -202,3 +202,18 @@ def test_powersgd_finds_a_low_rank_matrix_and_orthogonalizes():
 def test_learner_mistakes_are_explained(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_the_alpha_beta_time_of_each_compressors_collectives():
+    x, alpha, bandwidth = torch.zeros(1000), 1e-3, 1e6
+    assert seconds(Identity().collectives(x), 4, alpha, bandwidth) == pytest.approx(6 * (alpha + 250 * 4 / bandwidth))
+    assert seconds(TopK(10).collectives(x), 4, alpha, bandwidth) == pytest.approx(3 * (alpha + 120 / bandwidth))
+    # uneven chunks: a ring step lasts as long as its largest chunk, ceil(1001 / 4) = 251 elements
+    assert seconds(FP16().collectives(torch.zeros(1001)), 4, alpha, bandwidth) == pytest.approx(
+        6 * (alpha + 251 * 2 / bandwidth))
+    # PowerSGD at rank 2 on a 40 x 25 matrix: all-reduces of P (80 elements) and Q (50)
+    assert PowerSGD(2).collectives(x.view(40, 25)) == [("all-reduce", 80, 4), ("all-reduce", 50, 4)]
+    assert seconds(PowerSGD(2).collectives(x.view(40, 25)), 2, alpha, bandwidth) == pytest.approx(
+        2 * (alpha + 40 * 4 / bandwidth) + 2 * (alpha + 25 * 4 / bandwidth))
+    assert sent(PowerSGD(2).collectives(x.view(40, 25)), 2) == [4 * 80 + 4 * 50] * 2
+    assert seconds(Identity().collectives(x), 1, alpha, bandwidth) == 0  # one rank sends nothing

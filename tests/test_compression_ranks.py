@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parlab import trace
+from parlab.bench.compression import sign_descent, torch_hooks_on_gloo
 from parlab.collectives import ring_allreduce
 from parlab.compression import (
     BF16,
@@ -222,68 +223,16 @@ def test_powersgd_sizes_are_torchs_compression_stats_and_its_traffic_two_all_red
     assert len({ev.nbytes for ev in step.select(rank=0, name="isend")}) >= 2
 
 
-def torch_hooks_on_cpu():
-    """What each of torch's own hooks does on gloo/CPU here: "ok" or the exception's type."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook, quantization_hooks
-
-    def attempt(register, steps=4):
-        torch.manual_seed(0)
-        model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)))
-        try:
-            register(model)
-            for _ in range(steps):
-                model(torch.randn(4, 16)).sum().backward()
-            return "ok"
-        except Exception as error:  # noqa: BLE001 - the finding is which error torch raises
-            return type(error).__name__
-
-    def powersgd(hook):
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
-        return lambda model: model.register_comm_hook(state, hook)
-
-    return {
-        "fp16": attempt(lambda m: m.register_comm_hook(None, default_hooks.fp16_compress_hook)),
-        "bf16": attempt(lambda m: m.register_comm_hook(None, default_hooks.bf16_compress_hook)),
-        "quantization per tensor": attempt(
-            lambda m: m.register_comm_hook(None, quantization_hooks.quantization_pertensor_hook)),
-        "quantization per channel": attempt(
-            lambda m: m.register_comm_hook(None, quantization_hooks.quantization_perchannel_hook)),
-        "powerSGD": attempt(powersgd(powerSGD_hook.powerSGD_hook)),
-        "batched powerSGD": attempt(powersgd(powerSGD_hook.batched_powerSGD_hook)),
-    }
-
-
 @pytest.mark.timeout(120)
 def test_what_torchs_own_hooks_do_on_gloo(cluster2):
     """The lecture's statements: on CPU/gloo (torch 2.13) fp16 and powerSGD work, the bf16 hook
     refuses (it wants CUDA and NCCL), both quantization hooks fail inside their callbacks, and
     batched powerSGD fails once it starts compressing (after start_powerSGD_iter)."""
-    for found in cluster2.run(torch_hooks_on_cpu):
+    for found in cluster2.run(torch_hooks_on_gloo):
         assert found == {"fp16": "ok", "bf16": "TypeError", "quantization per tensor": "RuntimeError",
                          "quantization per channel": "RuntimeError", "powerSGD": "ok",
                          "batched powerSGD": found["batched powerSGD"]}
         assert found["batched powerSGD"] != "ok"
-
-
-def sign_descent(steps, gamma, error_feedback):
-    """Minimise f(x) = (1/N) sum_i 1/2 ||x - a_i||^2 from x = 0: rank i holds a_i, three ranks
-    agree on a_i = (0, 0), one disagrees, (12, -6); the minimum is their mean. Returns the
-    final x and the largest mean residual of the last quarter of the steps (EF only)."""
-    targets = torch.tensor([[0.0, 0.0]] * 3 + [[12.0, -6.0]])
-    a = targets[dist.get_rank()]
-    compressor = ErrorFeedback(ScaledSign()) if error_feedback else SignSGD()
-    x, worst = torch.zeros(2), 0.0
-    for step in range(steps):
-        g = x - a
-        if error_feedback:
-            delta, _ = compressor.aggregate(g, gamma=gamma)
-            residual = compressor.residuals[0].clone()
-            if step >= 3 * steps // 4:
-                worst = max(worst, (ring_allreduce(residual) / dist.get_world_size()).norm().item())
-        else:
-            delta = gamma * compressor.aggregate(g)[0]
-        x = x - delta
-    return x, worst
 
 
 @pytest.mark.timeout(120)

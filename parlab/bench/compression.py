@@ -39,7 +39,8 @@ from parlab.bench import (
     ratio_header,
     time_ratio,
 )
-from parlab.compression import FP16, QSGD, ErrorFeedback, Identity, PowerSGD, ScaledSign, TopK, parlab_hook
+from parlab.collectives import ring_allreduce
+from parlab.compression import FP16, QSGD, ErrorFeedback, Identity, PowerSGD, ScaledSign, SignSGD, TopK, parlab_hook
 from parlab.ddp import DDP
 from parlab.runtime.emulation import Link, compute
 
@@ -236,3 +237,61 @@ def _table(rows):
         ["compressor", "sent / rank", "bytes / dense", "median step", "/ dense", "final loss"],
         [[row["name"], f"{row['sent']:,}", f"{row['bytes_ratio']:.3f}", format_seconds(row["median_s"]),
           f"{row['time_ratio']:.2f}", f"{row['losses'][-1]:.4f}"] for row in rows])
+
+
+# --- the lecture's experiments ----------------------------------------------------------------
+
+
+def sign_descent(steps, gamma, error_feedback):
+    """Minimise f(x) = (1/N) sum_i 1/2 ||x - a_i||^2 from x = 0: rank i holds a_i, three ranks
+    agree on a_i = (0, 0), one disagrees, (12, -6); the minimum is their mean. Returns the
+    final x and the largest mean residual of the last quarter of the steps (EF only)."""
+    targets = torch.tensor([[0.0, 0.0]] * 3 + [[12.0, -6.0]])
+    a = targets[dist.get_rank()]
+    compressor = ErrorFeedback(ScaledSign()) if error_feedback else SignSGD()
+    x, worst = torch.zeros(2), 0.0
+    for step in range(steps):
+        g = x - a
+        if error_feedback:
+            delta, _ = compressor.aggregate(g, gamma=gamma)
+            residual = compressor.residuals[0].clone()
+            if step >= 3 * steps // 4:
+                worst = max(worst, (ring_allreduce(residual) / dist.get_world_size()).norm().item())
+        else:
+            delta = gamma * compressor.aggregate(g)[0]
+        x = x - delta
+    return x, worst
+
+
+def torch_hooks_on_gloo():
+    """On every rank: what each of torch's own DDP comm hooks does here (gloo, CPU): "ok" after
+    4 steps, or the type of the exception it raised. On torch 2.13: fp16 and powerSGD work,
+    bf16 refuses (it wants CUDA and NCCL), both quantization hooks fail in their callbacks,
+    batched powerSGD fails once it starts compressing."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook, quantization_hooks
+
+    def attempt(register, steps=4):
+        torch.manual_seed(0)
+        model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)))
+        try:
+            register(model)
+            for _ in range(steps):
+                model(torch.randn(4, 16)).sum().backward()
+            return "ok"
+        except Exception as error:  # the finding is which error torch raises
+            return type(error).__name__
+
+    def powersgd(hook):
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+        return lambda model: model.register_comm_hook(state, hook)
+
+    return {
+        "fp16": attempt(lambda m: m.register_comm_hook(None, default_hooks.fp16_compress_hook)),
+        "bf16": attempt(lambda m: m.register_comm_hook(None, default_hooks.bf16_compress_hook)),
+        "quantization per tensor": attempt(
+            lambda m: m.register_comm_hook(None, quantization_hooks.quantization_pertensor_hook)),
+        "quantization per channel": attempt(
+            lambda m: m.register_comm_hook(None, quantization_hooks.quantization_perchannel_hook)),
+        "powerSGD": attempt(powersgd(powerSGD_hook.powerSGD_hook)),
+        "batched powerSGD": attempt(powersgd(powerSGD_hook.batched_powerSGD_hook)),
+    }

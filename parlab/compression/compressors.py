@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from parlab._checks import real_number, whole_number
-from parlab.compression.travel import all_gather, all_gather_sent, all_reduce_sum, pack, ring_allreduce_sent, unpack
+from parlab.compression.travel import all_gather, all_reduce_sum, pack, sent, unpack
 
 
 class Compressor:
@@ -60,12 +60,17 @@ class Compressor:
         rows = all_gather(pack(*message))  # (N, bytes of one message)
         return sum(self.decode(unpack(row, self.layout(x)), context, x) for row in rows) / N, own
 
-    def sent_bytes(self, x, N):
-        """Bytes each rank sends in ``aggregate`` of a tensor shaped like ``x``, per rank."""
+    def collectives(self, x):
+        """The collectives ``aggregate`` makes for ``x``: [("all-reduce", numel, element
+        bytes)] or [("all-gather", message bytes)], for ``travel.sent`` and ``travel.seconds``."""
         if self.all_reduced:
             ((numel, dtype),) = self.layout(x)
-            return ring_allreduce_sent(numel, dtype.itemsize, N)
-        return all_gather_sent(self.bytes(x), N)
+            return [("all-reduce", numel, dtype.itemsize)]
+        return [("all-gather", self.bytes(x))]
+
+    def sent_bytes(self, x, N):
+        """Bytes each rank sends in ``aggregate`` of a tensor shaped like ``x``, per rank."""
+        return sent(self.collectives(x), N)
 
     def __repr__(self):
         return f"{type(self).__name__}()"
@@ -302,6 +307,9 @@ class ErrorFeedback:
 
     def sent_bytes(self, x, N, *shapes):
         return self.compressor.sent_bytes(x, N, *shapes)
+
+    def collectives(self, x, *shapes):
+        return self.compressor.collectives(x, *shapes)
 
     def _corrected(self, g, gamma, key):
         real_number("gamma (the learning rate)", gamma, "pass a step size above 0, e.g. 0.1.", above=True)

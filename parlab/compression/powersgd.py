@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from parlab._checks import real_number, whole_number
-from parlab.compression.travel import all_reduce_sum, ring_allreduce_sent
+from parlab.compression.travel import all_reduce_sum, sent
 
 
 def orthogonalize(P, eps=1e-8):
@@ -81,15 +81,18 @@ class PowerSGD:
         """Bytes of this rank's P's, Q's and uncompressed tensors (fp32)."""
         return 4 * self.compression_sizes(_shapes(x, shapes))[1]
 
-    def sent_bytes(self, x, N, shapes=None):
-        """Bytes each rank sends: a ring all-reduce of the uncompressed tensors and the P's,
-        and one of the Q's."""
+    def collectives(self, x, shapes=None):
+        """A ring all-reduce of the uncompressed tensors and the P's, then one of the Q's (none
+        when nothing is compressed), as ``Compressor.collectives``."""
         shapes = _shapes(x, shapes)
         plans = self.plan(shapes)
         first = sum(torch.Size(tuple(s)).numel() if p is None else p[0] * p[2] for s, p in zip(shapes, plans))
         second = sum(p[1] * p[2] for p in plans if p is not None)
-        sent = [a + b for a, b in zip(ring_allreduce_sent(first, 4, N), ring_allreduce_sent(second, 4, N))]
-        return sent if second else ring_allreduce_sent(first, 4, N)
+        return [("all-reduce", first, 4)] + ([("all-reduce", second, 4)] if second else [])
+
+    def sent_bytes(self, x, N, shapes=None):
+        """Bytes each rank sends, per rank."""
+        return sent(self.collectives(x, shapes), N)
 
     def _approximate(self, x, key, shapes, reduce, N):
         shapes = _shapes(x, shapes)

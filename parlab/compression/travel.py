@@ -72,6 +72,34 @@ def all_gather_sent(message_bytes, N):
     return [(N - 1) * message_bytes] * N
 
 
+def sent(collectives_of_a_step, N):
+    """Bytes each rank sends in ``collectives_of_a_step``, a list of ("all-reduce", numel,
+    element_bytes) and ("all-gather", message_bytes) (what a compressor's ``collectives(x)``
+    returns), per rank."""
+    total = [0] * N
+    for collective in collectives_of_a_step:
+        per_rank = (ring_allreduce_sent(*collective[1:], N) if collective[0] == "all-reduce"
+                    else all_gather_sent(collective[1], N))
+        total = [a + b for a, b in zip(total, per_rank)]
+    return total
+
+
+def seconds(collectives_of_a_step, N, latency, bandwidth):
+    """The alpha-beta time of ``collectives_of_a_step`` (as for ``sent``) on a link of
+    ``latency`` seconds per message and ``bandwidth`` bytes per second, one after the other: a
+    ring all-reduce of L elements of b bytes takes 2 (N - 1) steps of alpha + ceil(L / N) b beta
+    (a step lasts as long as its largest chunk), an all-gather of B bytes per rank N - 1 steps
+    of alpha + B beta."""
+    total = 0.0
+    for collective in collectives_of_a_step:
+        if collective[0] == "all-reduce":
+            _, numel, element_bytes = collective
+            total += 2 * (N - 1) * (latency + -(-numel // N) * element_bytes / bandwidth)
+        else:
+            total += (N - 1) * (latency + collective[1] / bandwidth)
+    return total if N > 1 else 0.0
+
+
 def topk_pays(k, d, N, index_bytes=8):
     """Whether top-k's all-gather, (N - 1) k (4 + index_bytes), sends fewer bytes than a dense
     fp32 ring all-reduce of d elements, 2 (N - 1)/N 4 d: k < 8 d / (N (4 + index_bytes)),
