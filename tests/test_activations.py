@@ -2,7 +2,7 @@
 saved-tensor hooks, equal parlab's item-by-item accounting exactly (fp32 and bf16, with and
 without dropout, t = 1, 2, 4, with and without sequence parallelism, full recompute); that
 accounting differs from Korthikanti et al.'s formulas by exactly the items the module names;
-checkpointing a chain of n layers in segments of k holds n/k + k layers at its peak."""
+checkpointing a chain of L layers in segments of c holds L/c + c layers at its peak."""
 
 import pytest
 import torch
@@ -78,10 +78,10 @@ def test_a_tensor_parallel_layer_saves_what_the_accounting_says_on_every_rank(t,
         assert cluster.run(measure_parallel_layer, sequence_parallel, dropout, timeout=60) == [expected] * t
 
 
-def test_checkpointing_every_k_of_n_layers_holds_n_over_k_plus_k_at_its_peak():
-    n = 16
-    peaks = {k: measure_checkpointed_chain(n, k) for k in (1, 2, 4, 8, 16)}
-    assert peaks == {k: checkpoint_peak_units(n, k) for k in peaks}
+def test_checkpointing_segments_of_c_of_l_layers_holds_l_over_c_plus_c_at_its_peak():
+    L = 16
+    peaks = {c: measure_checkpointed_chain(L, c) for c in (1, 2, 4, 8, 16)}
+    assert peaks == {c: checkpoint_peak_units(L, c) for c in peaks}
     assert min(peaks, key=peaks.get) == 4  # sqrt(16)
 
 
@@ -90,5 +90,5 @@ def test_sizes_that_do_not_fit_say_what_to_change():
         korthikanti_bytes(64, 8, 128, 6)
     with pytest.raises(ValueError, match="t must be a whole number >= 1, got 0"):
         layer_saved_bytes(64, 8, 128, 4, t=0)
-    with pytest.raises(ValueError, match="segments of k = 3 layers must divide the n = 16 layers"):
+    with pytest.raises(ValueError, match="segments of c = 3 layers must divide the L = 16 layers"):
         checkpoint_peak_units(16, 3)

@@ -36,7 +36,7 @@ two places where parlab's layer saves something else:
 ``SavedBytes`` counts what autograd saves while it is active, each storage once (q, k and v
 are views of their own tensors; a tensor two operations save counts once), leaving out
 parameters and buffers (weights are not activations); it also follows the bytes still held
-through backward, so its ``peak`` shows activation checkpointing's k + n/k.
+through backward, so its ``peak`` shows activation checkpointing's L/c + c.
 """
 
 import weakref
@@ -106,35 +106,35 @@ def dropout_mask_bytes(device, value_bytes):
     return 1 if torch.device(device).type == "cuda" else value_bytes
 
 
-def checkpoint_peak_units(n, k):
-    """Activation checkpointing of a chain of n equal layers in segments of k (k divides n),
-    in units of one layer's saved tensor: the n/k segment inputs kept through forward, plus
-    the k layers of the segment being recomputed in backward. k + n/k is smallest at
-    k = sqrt(n)."""
-    if not (isinstance(n, int) and isinstance(k, int) and 1 <= k <= n and n % k == 0):
-        raise ValueError(f"segments of k = {k!r} layers must divide the n = {n!r} layers: choose k a divisor of n.")
-    return n // k + k
+def checkpoint_peak_units(L, c):
+    """Activation checkpointing of a chain of L equal layers in segments of c layers (c
+    divides L), in units of one layer's saved tensor: the L/c segment inputs kept through
+    forward, plus the c layers of the segment being recomputed in backward. L/c + c is
+    smallest at c = sqrt(L). (Chen et al. write n layers and segments of k.)"""
+    if not (isinstance(L, int) and isinstance(c, int) and 1 <= c <= L and L % c == 0):
+        raise ValueError(f"segments of c = {c!r} layers must divide the L = {L!r} layers: choose c a divisor of L.")
+    return L // c + c
 
 
-def measure_checkpointed_chain(n, k, width=64, rows=8):
-    """Peak bytes saved by a chain of n layers tanh(linear(x)) (x of ``rows`` x ``width``),
-    checkpointed in segments of k (torch's reentrant checkpoint: forward keeps each segment's
+def measure_checkpointed_chain(L, c, width=64, rows=8):
+    """Peak bytes saved by a chain of L layers tanh(linear(x)) (x of ``rows`` x ``width``),
+    checkpointed in segments of c (torch's reentrant checkpoint: forward keeps each segment's
     input, backward recomputes one segment at a time), in units of one layer's saved tensor
-    (tanh's output, which the next linear also saves): compare ``checkpoint_peak_units(n, k)``."""
+    (tanh's output, which the next linear also saves): compare ``checkpoint_peak_units(L, c)``."""
     from torch.utils.checkpoint import checkpoint
 
-    checkpoint_peak_units(n, k)
+    checkpoint_peak_units(L, c)
     torch.manual_seed(0)
-    layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(n))
+    layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(L))
 
     def segment(z, first):
-        for layer in layers[first:first + k]:
+        for layer in layers[first:first + c]:
             z = torch.tanh(layer(z))
         return z
 
     with SavedBytes(exclude=layers) as saved:
         z = torch.randn(rows, width, requires_grad=True)
-        for first in range(0, n, k):
+        for first in range(0, L, c):
             z = checkpoint(segment, z, first, use_reentrant=True)
         z.sum().backward()
     return saved.peak / (rows * width * 4)
