@@ -126,14 +126,18 @@ def test_the_buckets_send_the_bytes_of_one_ring_reduce_scatter(world, request):
 LAYERS, WIDTH = 7, 100  # 7 x 10 100 = 70 700 parameters: N_d = 2 and 4 divide them
 
 
-def peaks():
+def layers_engine(stage):
+    """ZeroDP over LAYERS Linear + tanh layers, at stage 2 a bucket per layer; an input batch."""
     torch.manual_seed(0)
-    x = torch.randn(4, WIDTH)
+    model = nn.Sequential(*[layer for _ in range(LAYERS) for layer in (nn.Linear(WIDTH, WIDTH), nn.Tanh())])
+    cap = {"bucket_cap_mb": (WIDTH + 1) * WIDTH * 4 / MB} if stage == 2 else {}
+    return ZeroDP(model, torch.optim.Adam, stage=stage, lr=1e-3, **cap), torch.randn(4, WIDTH)
+
+
+def peaks():
     measured = {}
     for stage in (1, 2):
-        model = nn.Sequential(*[layer for _ in range(LAYERS) for layer in (nn.Linear(WIDTH, WIDTH), nn.Tanh())])
-        cap = {"bucket_cap_mb": (WIDTH + 1) * WIDTH * 4 / MB} if stage == 2 else {}  # a bucket per layer
-        engine = ZeroDP(model, torch.optim.Adam, stage=stage, **cap)
+        engine, x = layers_engine(stage)
         for _ in range(2):
             engine.zero_grad()
             engine(x).square().mean().backward()
@@ -236,3 +240,44 @@ def test_stage_2_mistakes_are_explained(cluster2):
         ZeroDP(build_chain(), torch.optim.SGD, stage=1, bucket_cap_mb=1, lr=0.1)
     with pytest.raises(ValueError, match="bucket must hold something"):
         ZeroDP(build_chain(), torch.optim.SGD, stage=2, bucket_cap_mb=0, lr=0.1)
+
+
+def profiled_step(stage):
+    """All the CPU memory torch allocates in one step (activations, autograd's temporaries, the
+    optimizer's, the receive buffers), from the profiler's allocation events: the largest
+    running total, plus the gradient bytes the engine held when the step began (stage 1's
+    flat gradient; nothing at stage 2). Parameters and optimizer state, the same at both
+    stages, are left out."""
+    engine, x = layers_engine(stage)
+    engine.zero_grad()
+    engine(x).square().mean().backward()
+    engine.step()  # the first step makes the optimizer state and the receive buffers
+    engine.zero_grad()
+    held = engine.gradient_bytes()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+        engine(x).square().mean().backward()
+        engine.step()
+    allocations = sorted((event.start_ns(), event.nbytes()) for event in profile.profiler.kineto_results.events()
+                         if event.name() == "[memory]")
+    running = peak = 0
+    for _, nbytes in allocations:  # frees are negative
+        running += nbytes
+        peak = max(peak, running)
+    return held + peak
+
+
+def both_profiled():
+    return [profiled_step(stage) for stage in (1, 2)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", ["cluster2", "cluster4"])
+def test_torchs_profiler_sees_stage_2_allocate_less_than_stage_1(world, request):
+    """A second witness beside the engine's own accounting: a gradient the engine forgot to
+    free (or a reference it kept) would show here. What stage 2 saves is at least the part of
+    stage 1's flat gradient outside the shard, less the bucket buffer and gradient it adds."""
+    cluster = request.getfixturevalue(world)
+    N, psi = cluster.world_size, LAYERS * (WIDTH + 1) * WIDTH
+    saving = 4 * (psi - psi // N) - 4 * ((WIDTH + 1) * WIDTH + WIDTH * WIDTH)
+    for stage1, stage2 in cluster.run(both_profiled, timeout=120):
+        assert stage2 <= stage1 - saving, (stage1, stage2, saving)
