@@ -40,7 +40,18 @@ from parlab.bench import (
     time_ratio,
 )
 from parlab.collectives import ring_allreduce
-from parlab.compression import FP16, QSGD, ErrorFeedback, Identity, PowerSGD, ScaledSign, SignSGD, TopK, parlab_hook
+from parlab.compression import (
+    FP16,
+    QSGD,
+    ErrorFeedback,
+    Identity,
+    PowerSGD,
+    ScaledSign,
+    SignSGD,
+    TopK,
+    parlab_hook,
+    travel,
+)
 from parlab.ddp import DDP
 from parlab.runtime.emulation import Link, compute
 
@@ -92,16 +103,17 @@ def batches(hidden, batch_size, seed):
     return inputs, torch.tanh(inputs @ teacher)
 
 
-def train(names, steps, hidden=256, depth=2, batch_size=16, compute_s=0.0, engine="parlab"):
-    """On every rank: train a fresh MLP per compressor (``COMPRESSORS``, or ``TORCH_HOOKS``
-    and "torch dense" with ``engine="torch"``), ``steps`` steps each, a "step" span each;
+def train(names, steps, hidden=256, depth=2, batch_size=16, compute_s=0.0, engine="parlab", compressors=None):
+    """On every rank: train a fresh MLP per compressor (by name, from ``compressors``, default
+    ``COMPRESSORS``; or ``TORCH_HOOKS`` and "torch dense" with ``engine="torch"``), ``steps``
+    steps each, a "step" span each;
     returns {name: [the loss on a fixed batch of 256 after each step]}. Each rank draws a
     fresh batch of ``batch_size`` at each step (the same for every compressor)."""
     evaluation = batches(hidden, 256, EVALUATION_SEED)
     losses = {}
     for name in names:
         net = mlp(hidden, depth)
-        model = _wrap(net, name, engine)
+        model = _wrap(net, name, engine, compressors or COMPRESSORS)
         optimizer = torch.optim.SGD(net.parameters(), lr=LR)
         losses[name] = []
         for step in range(steps):
@@ -120,9 +132,9 @@ def train(names, steps, hidden=256, depth=2, batch_size=16, compute_s=0.0, engin
     return losses
 
 
-def _wrap(net, name, engine):
+def _wrap(net, name, engine, compressors):
     if engine == "parlab":
-        return DDP(net, comm_hook=parlab_hook(COMPRESSORS[name](), net))
+        return DDP(net, comm_hook=parlab_hook(compressors[name](), net))
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     model = nn.parallel.DistributedDataParallel(net)
@@ -134,11 +146,13 @@ def _wrap(net, name, engine):
     return model
 
 
-def measure(cluster, names, steps, hidden=256, depth=2, batch_size=16, compute_s=0.0, engine="parlab"):
+def measure(cluster, names, steps, hidden=256, depth=2, batch_size=16, compute_s=0.0, engine="parlab",
+            compressors=None):
     """Train ``names`` on ``cluster`` in its current regime; one dict per name: ``seconds``
     (each step, first rank's start to last rank's end), ``median_s``, ``sent`` (bytes each
-    rank sent in the last step, from the trace), ``losses`` (after each step)."""
-    timeline = cluster.trace(train, names, steps, hidden, depth, batch_size, compute_s, engine)
+    rank sent in the last step, from the trace), ``losses`` (after each step), ``times``
+    (the wall time at the end of each step, from the first step's start)."""
+    timeline = cluster.trace(train, names, steps, hidden, depth, batch_size, compute_s, engine, compressors)
     rows = []
     for index, name in enumerate(names):
         windows = [timeline.window("step", index * steps + step) for step in range(steps)]
@@ -147,6 +161,21 @@ def measure(cluster, names, steps, hidden=256, depth=2, batch_size=16, compute_s
                      "sent": max(windows[-1].bytes_sent()), "losses": timeline.results[0][name],
                      "times": _cumulative(seconds)})
     return rows
+
+
+def predicted_step(compressor, N, link, hidden=256, depth=2, compute_s=0.0):
+    """(bytes each rank sends, seconds) of one step of the bench's MLP with ``compressor`` on
+    ``link`` at N ranks, by the alpha-beta model: the declared compute plus the compressor's
+    collectives (``parlab.compression.travel.seconds``), one bucket of the parameters in
+    reverse order, as parlab's DDP fills it. It leaves out this machine's CPU work: forward,
+    backward, compressing, and the Python and gloo of each message."""
+    shapes = [tuple(p.shape) for p in mlp(hidden, depth).parameters()][::-1]
+    flat = torch.zeros(sum(torch.Size(s).numel() for s in shapes))
+    if isinstance(getattr(compressor, "compressor", compressor), PowerSGD):
+        collectives = compressor.collectives(flat, shapes)
+    else:
+        collectives = compressor.collectives(flat)
+    return travel.sent(collectives, N)[0], compute_s + travel.seconds(collectives, N, link.latency, link.bandwidth)
 
 
 def _cumulative(seconds):

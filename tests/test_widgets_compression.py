@@ -1,0 +1,84 @@
+"""Lecture 05's widgets without a browser: the prediction they draw (bytes by the compressors'
+formulas, time by the alpha-beta model), the curves, and the widget answering its controls and
+its measure button."""
+
+import matplotlib
+import pytest
+
+from parlab import Link
+from parlab.widgets.compression import (
+    compression_widget,
+    lecture_compressor,
+    plot_curves,
+    plot_prediction,
+    step_prediction,
+)
+
+matplotlib.use("Agg")
+D = 2 * (256 * 256 + 256)  # the lecture's MLP: 131,584 parameters
+SLOW = Link(latency=500e-6, bandwidth=10e6)
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    import matplotlib.pyplot as plt
+
+    yield
+    plt.close("all")
+
+
+def test_step_prediction_is_the_formulas_beside_dense():
+    dense, topk = step_prediction("top-k + EF", 4, SLOW, budget=0.01)
+    k = int(0.01 * D)
+    assert dense["sent"] == 2 * 3 * 4 * D // 4 and topk["sent"] == 3 * k * (4 + 8)
+    assert topk["bytes_ratio"] == topk["sent"] / dense["sent"]
+    # compute + 2 (N - 1) ring steps of alpha + (d / N) 4 beta, and N - 1 all-gather steps of alpha + 12 k beta
+    assert dense["predicted_s"] == pytest.approx(0.01 + 6 * (500e-6 + D / 4 * 4 / 10e6))
+    assert topk["predicted_s"] == pytest.approx(0.01 + 3 * (500e-6 + 12 * k / 10e6))
+    assert topk["time_ratio"] == pytest.approx(topk["predicted_s"] / dense["predicted_s"])
+    _, power = step_prediction("PowerSGD + EF", 2, SLOW, rank=4)
+    assert power["sent"] == 4 * (256 + 256 + (256 + 256) * 4 * 2)  # biases and P's, then Q's: N = 2 sends each once
+
+
+def test_plot_prediction_draws_compute_and_communication_and_the_measured_dots():
+    rows = step_prediction("fp16", 4, SLOW)
+    rows[1]["measured_s"] = 0.06
+    ax = plot_prediction(rows)
+    widths = sorted(round(patch.get_width(), 6) for patch in ax.patches)
+    expected = sorted([10.0, 10.0] + [round((row["predicted_s"] - 0.01) * 1e3, 6) for row in rows])
+    assert widths == expected
+    [dots] = ax.lines
+    assert list(dots.get_xdata()) == [60.0]
+
+
+def test_plot_curves_draws_loss_against_steps_and_wall_time():
+    runs = [{"name": "dense", "losses": [3, 2, 1], "times": [0.1, 0.2, 0.3]},
+            {"name": "fp16", "losses": [3, 2.5, 2], "times": [0.05, 0.1, 0.15]}]
+    by_step, by_time = plot_curves(runs)
+    assert [list(line.get_xdata()) for line in by_step.lines] == [[1, 2, 3]] * 2
+    assert [list(line.get_xdata()) for line in by_time.lines] == [[0.1, 0.2, 0.3], [0.05, 0.1, 0.15]]
+
+
+@pytest.mark.timeout(120)
+def test_the_widget_redraws_on_its_controls_and_measures_on_the_cluster(cluster2):
+    widget = compression_widget(cluster2, kind="top-k + EF", N=4, bandwidth=10e6)
+    choice, fraction, rank, ranks, speed, measure_button, readout, feedback, image = widget.children
+    assert readout.value.startswith("top-k + EF: <b>47,340 bytes</b> per rank")
+    picture = image.value
+    choice.value = "fp16"
+    assert readout.value.startswith(f"fp16: <b>{3 * 2 * D // 2:,} bytes</b>") and image.value != picture
+    measure_button.click()
+    assert ranks.value == 2  # measured on the cluster's 2 ranks
+    assert "measured under a link of 500 µs + bytes / (10 MB/s): dense" in feedback.children[0].value
+    assert "parlab-error" not in feedback.children[0].value
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: lecture_compressor("gzip"), "kind must be one of"),
+    (lambda: lecture_compressor("top-k + EF", budget=2), "at most 1"),
+    (lambda: step_prediction("fp16", 1, SLOW), "at least 2 ranks"),
+    (lambda: step_prediction("fp16", 4, "10MB/s"), "link must be a parlab.Link"),
+])
+def test_bad_controls_are_refused_with_what_to_change(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
