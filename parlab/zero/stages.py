@@ -106,7 +106,8 @@ class ZeroDP(torch.nn.Module):
     model: module gradients are views into the engine's flat buffer). ``bucket_cap_mb``
     (stage 2 only, default 25 MiB): the largest bucket of gradients reduce-scattered together
     during backward. ``offload=True`` (stages 1, 2; ZeRO-Offload): the optimizer's shard and
-    state live in host memory (section "Offload" above).
+    state live in host memory (section "Offload" above). Wrap a model once: the engine's
+    gradient hooks stay on its parameters (at stage 2 they reduce-scatter).
     """
 
     def __init__(self, model, optimizer_class, stage=2, bucket_cap_mb=None, offload=False, **optimizer_kwargs):
