@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from parlab import trace
 from parlab.gpt import GPT, CharDataset, GPTConfig
 from parlab.numerics import assert_equivalent, backward_in_shards, ring_orders
 from parlab.tensor_parallel import ParallelGPT
@@ -168,3 +169,41 @@ def test_sizes_that_do_not_split_raise_value_errors_that_say_what_to_change(clus
         assert "N_d = 3 replicas needs a world of N_d x t ranks, but 4 are running" in world
         assert "a batch of 3 sequences does not split into N_d = 2 equal shards" in batch
         assert "ParallelGPT splits a parlab.gpt.GPT, got Linear" in model
+
+
+def train_grid_with_zero(zero):
+    """3 Adam steps on the 2 x 2 grid, with ZeRO-1 along the columns or with torch's Adam over
+    the averaged gradients: (parameters, optimizer-state elements on this rank)."""
+    optimizer_kwargs = {"lr": 1e-2}
+    if zero:
+        grid = TensorDataParallel(build_gpt(), 2, zero_optimizer=torch.optim.Adam, **optimizer_kwargs)
+    else:
+        grid = TensorDataParallel(build_gpt(), 2)
+    optimizer = grid.optimizer or torch.optim.Adam(grid.model.parameters(), **optimizer_kwargs)
+    for x, y in batches()[:3]:
+        if not zero:
+            optimizer.zero_grad()
+        with trace.span("step"):
+            grid.step(x, y)
+        if not zero:
+            optimizer.step()
+    state = sum(t.numel() for s in optimizer.state.values() for t in s.values() if t.dim())
+    return {n: p.detach().clone() for n, p in grid.model.named_parameters()}, state
+
+
+@pytest.mark.timeout(240)
+def test_zero_1_along_the_data_axis_takes_adam_s_steps_with_half_the_state(cluster4):
+    plain = cluster4.run(train_grid_with_zero, False, timeout=180)
+    timeline = cluster4.trace(train_grid_with_zero, True, timeout=180)
+    for rank, ((params, state), (zero_params, zero_state)) in enumerate(zip(plain, timeline.results)):
+        # the same averaged gradients (a ring all-reduce is its reduce-scatter then its all-gather)
+        # and the same elementwise Adam, on a flat shard instead of per parameter: equal
+        assert all(torch.equal(zero_params[n], params[n]) for n in params), f"rank {rank}"
+        assert zero_state * 2 == pytest.approx(state, abs=4)  # exp_avg and exp_avg_sq of 1/N_d, padding aside
+    step = timeline.window("step", -1)
+    for rank in range(4):
+        column = {rank % 2, rank % 2 + 2} - {rank}
+        for name in ("data-parallel reduce-scatter", "data-parallel all-gather"):
+            (span,) = step.select(rank=rank, name=name)
+            peers = {ev.peer for ev in step.select(rank=rank, kind=trace.COMM) if span.start <= ev.start <= span.end}
+            assert peers == column  # the column's collectives stay in the column

@@ -21,13 +21,20 @@ collectives; then (with sequence parallelism, after the row's sum of the replica
 parameters' gradients) each rank averages the gradients of its parameter shards over its
 column: one ring all-reduce of one flat buffer, padded with zeros to a multiple of N_d.
 Every rank then holds the full-batch gradient of its shard, as one process would.
+
+ZeRO stage 1 on the data axis (``zero_optimizer``, lecture 04): the N_d ranks of a column
+hold the same tensor-parallel shard, so they also split its optimizer state N_d ways. The
+column's all-reduce becomes its two halves: a reduce-scatter leaves rank d the averaged
+gradient of its 1/N_d of the flat buffer, its optimizer steps that piece, and an all-gather
+brings every rank the whole updated buffer: the same bytes, 1/N_d of the optimizer state.
 """
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from parlab import p2p, trace
-from parlab.collectives import ring_allreduce
+from parlab.collectives import ring_all_gather, ring_allreduce, ring_reduce_scatter
 from parlab.flat import FlatLayout
 from parlab.pipeline.grid import rank_grid
 from parlab.tensor_parallel.model import ParallelGPT
@@ -42,9 +49,15 @@ class TensorDataParallel:
     from replica 0's weights (one broadcast per column).
 
     Attributes: ``replica`` (d), ``tensor_parallel_ranks`` (this row),
-    ``data_parallel_ranks`` (this column), ``model`` (this rank's ``ParallelGPT``)."""
+    ``data_parallel_ranks`` (this column), ``model`` (this rank's ``ParallelGPT``).
 
-    def __init__(self, model, data_parallel_degree, sequence_parallel=False):
+    ``zero_optimizer``: an optimizer class (e.g. torch.optim.Adam, with ``optimizer_kwargs``)
+    for ZeRO stage 1 along the column (module docstring); then ``step`` also takes the
+    optimizer's step, and ``optimizer`` holds this rank's 1/N_d of the state. Without it,
+    ``step`` leaves averaged gradients for any optimizer over ``model.parameters()``."""
+
+    def __init__(self, model, data_parallel_degree, sequence_parallel=False, zero_optimizer=None,
+                 **optimizer_kwargs):
         N_d, world = data_parallel_degree, dist.get_world_size()
         if isinstance(N_d, bool) or not isinstance(N_d, int) or N_d < 1 or world % N_d:
             raise ValueError(f"a grid of N_d = {N_d!r} replicas needs a world of N_d x t ranks, but {world} are "
@@ -62,11 +75,17 @@ class TensorDataParallel:
         self.parameters = list(self.model.parameters())
         self.layout = FlatLayout([p.shape for p in self.parameters], N_d)
         self._copy_parameters_from_replica_0()
+        self.optimizer = None
+        if zero_optimizer is not None:
+            flat = self.layout.flatten([p.detach() for p in self.parameters])
+            self.shard = nn.Parameter(self.layout.shard(flat, self.replica).clone())  # this rank's 1/N_d
+            self.optimizer = zero_optimizer([self.shard], **optimizer_kwargs)
 
     def step(self, tokens, targets):
         """Forward and backward of the whole batch (b sequences, b a multiple of N_d): this
         replica's b/N_d of them, then the gradients averaged over the column. Returns the
-        replica's loss. No optimizer step."""
+        replica's loss. No optimizer step, except with ZeRO (``zero_optimizer``), where the
+        column reduce-scatters the gradients, steps its shards and all-gathers them."""
         b = len(tokens)
         if b % self.data_parallel_degree:
             raise ValueError(f"a batch of {b} sequences does not split into N_d = {self.data_parallel_degree} equal "
@@ -76,12 +95,32 @@ class TensorDataParallel:
         loss = self.model.loss(tokens, targets)
         loss.backward()
         self.model.reduce_sequence_parallel_gradients()
+        if self.optimizer is not None:
+            self._zero_step()
+            return loss.detach()
         with trace.span("data-parallel all-reduce"), torch.no_grad():
             flat = self.layout.flatten([p.grad for p in self.parameters])
             ring_allreduce(flat, op="avg", check=False, group=self.data_parallel_group)
             for p, averaged in zip(self.parameters, self.layout.views(flat)):
                 p.grad = averaged
         return loss.detach()
+
+    def _zero_step(self):
+        # reduce-scatter: rank d of the column gets the averaged gradient of its shard
+        with trace.span("data-parallel reduce-scatter"), torch.no_grad():
+            flat = self.layout.flatten([p.grad for p in self.parameters])
+            ring_reduce_scatter(flat, op="avg", check=False, group=self.data_parallel_group)
+            self.shard.grad = self.layout.shard(flat, self.replica).clone()
+        # step: this rank's 1/N_d of the parameters, with its 1/N_d of the optimizer state
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        # all-gather: every rank of the column gets every updated shard
+        with trace.span("data-parallel all-gather"), torch.no_grad():
+            self.layout.shard(flat, self.replica).copy_(self.shard)
+            ring_all_gather(flat, check=False, group=self.data_parallel_group)
+            for p, value in zip(self.parameters, self.layout.views(flat)):
+                p.copy_(value)
+                p.grad = None
 
     def _copy_parameters_from_replica_0(self):
         with torch.no_grad():
