@@ -75,9 +75,9 @@ def edge_values(dtype):
 class LossScaler:
     """Dynamic loss scaling, following ``torch.amp.GradScaler``'s scale sequence.
 
-    ``scale(loss)``: loss x scale (backward on it gives gradients x scale, above fp16's
-    underflow). ``unscale_(optimizer)``: divide the gradients of the optimizer's parameters
-    by the scale (in their dtype: fp32 master gradients, ``MasterWeights``) and note whether
+    ``scale(loss)``: loss x sigma, the scale (backward on it gives gradients x sigma, above
+    fp16's underflow; the glossary's sigma). ``unscale_(optimizer)``: divide the gradients of
+    the optimizer's parameters by sigma (in their dtype: fp32 master gradients, ``MasterWeights``) and note whether
     any is inf or nan. ``step(optimizer)``: unscale if not done yet, then the optimizer's step
     unless an inf or nan was found; True if it stepped. ``update()``: once per step, after the
     steps: the new scale (table in the module docstring).

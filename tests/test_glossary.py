@@ -22,3 +22,12 @@ def test_the_glossary_gives_each_symbol_one_row():
 def test_every_lecture_links_the_glossary_in_its_first_cell(lecture):
     first = "".join(json.loads(lecture.read_text())["cells"][0]["source"])
     assert "(GLOSSARY.md)" in first, f"{lecture.name}: link notebooks/GLOSSARY.md in the first cell"
+
+
+def test_the_loss_scale_does_not_take_hybrid_shard_s():
+    # Lecture 04 and parlab.zero.fsdp write S for HYBRID_SHARD's shard group; the loss scale
+    # of mixed precision (lecture 07) once took the same letter.
+    rows = dict(re.findall(r"^\| (\$[^$]+\$) \| ([^|]*) \|", (NOTEBOOKS / "GLOSSARY.md").read_text(), flags=re.M))
+    assert "HYBRID_SHARD" in rows["$S$"]
+    scale = [symbol for symbol, meaning in rows.items() if meaning.startswith("loss scale")]
+    assert scale and scale != ["$S$"]
