@@ -243,16 +243,22 @@ def train_layers(config, batch_size, steps, sequence_parallel=False):
             optimizer.step()
 
 
-def time_layers(cluster, config, batch_size, steps=3):
-    """Step times of ``train_layers`` on ``cluster`` in its current regime (one warm-up step,
-    then ``steps``): {"step_s": [each step, first rank's start to last rank's end],
-    "all_reduce_s": [every all-reduce of the timed steps on rank 0], "timeline": the last step}."""
+def time_layers(cluster, config, batch_size, steps=3, sequence_parallel=False):
+    """Times of ``train_layers`` on ``cluster`` in its current regime (one warm-up step, then
+    ``steps``): {"step_s": [each step, first rank's start to last rank's end],
+    "all_reduce_s": [each all-reduce of the timed steps], "timeline": the last step}.
+
+    An all-reduce's time is its shortest span over the ranks: the rank that reaches it last
+    waits for no one, so its span is the collective itself; the others' spans also hold the
+    time they waited for it (their compute ran ahead on a shared CPU)."""
     check_arguments(batch_size=batch_size, steps=steps)
-    timeline = cluster.trace(train_layers, config, batch_size, 1 + steps)
+    timeline = cluster.trace(train_layers, config, batch_size, 1 + steps, sequence_parallel)
     windows = [timeline.window("step", i) for i in range(1, 1 + steps)]
-    return {"step_s": [w.duration for w in windows],
-            "all_reduce_s": [ev.duration for w in windows for ev in w.select(rank=0, name="all-reduce")],
-            "timeline": windows[-1]}
+    all_reduces = []
+    for w in windows:
+        per_rank = [w.select(rank=rank, name="all-reduce") for rank in range(w.world_size)]
+        all_reduces += [min(ev.duration for ev in same) for same in zip(*per_rank)]
+    return {"step_s": [w.duration for w in windows], "all_reduce_s": all_reduces, "timeline": windows[-1]}
 
 
 def format_report(result):
