@@ -43,7 +43,6 @@ from parlab.tensor_parallel.layers import (
     VocabParallelEmbedding,
     parallel_cross_entropy,
 )
-from parlab.tensor_parallel.operators import copy_to_parallel, gather_sequence
 
 __all__ = ["ParallelGPT", "ParallelMLP", "ParallelAttention"]
 
@@ -84,7 +83,7 @@ class ParallelMLP(nn.Module):
 class ParallelBlock(nn.Module):
     def __init__(self, block, group=None, sequence_parallel=False):
         super().__init__()
-        self.norm1, self.norm2 = _copy(block.norm1), _copy(block.norm2)
+        self.norm1, self.norm2 = copy.deepcopy(block.norm1), copy.deepcopy(block.norm2)
         self.attention = ParallelAttention(block.attention, group, sequence_parallel)
         self.mlp = ParallelMLP(block.mlp, group, sequence_parallel)
         self.dropout = block.dropout
@@ -111,10 +110,10 @@ class ParallelGPT(nn.Module):
                              f"a multiple of {t}.")
         self.config, self.group, self.sequence_parallel = model.config, group, sequence_parallel
         self.token_embedding = VocabParallelEmbedding(model.token_embedding, group, sequence_parallel)
-        self.position_embedding = _copy(model.position_embedding)
+        self.position_embedding = copy.deepcopy(model.position_embedding)
         self.blocks = nn.ModuleList(ParallelBlock(block, group, sequence_parallel) for block in model.blocks)
-        self.final_norm = _copy(model.final_norm)
-        self.head = ColumnParallelLinear(model.head, group)
+        self.final_norm = copy.deepcopy(model.final_norm)
+        self.head = ColumnParallelLinear(model.head, group, sequence_parallel)  # V/t logits per rank
 
     def forward(self, tokens):
         s = tokens.shape[1]
@@ -124,9 +123,7 @@ class ParallelGPT(nn.Module):
         x = self.token_embedding(tokens) + positions  # (b, s, h), or (b, s/t, h)
         for block in self.blocks:
             x = block(x)
-        n = self.final_norm(x)
-        n = gather_sequence(n, self.group) if self.sequence_parallel else copy_to_parallel(n, self.group)
-        return F.linear(n, self.head.weight)  # (b, s, V/t)
+        return self.head(self.final_norm(x))  # f (or the all-gather along s), then (b, s, V/t)
 
     def loss(self, tokens, targets):
         return parallel_cross_entropy(self(tokens), targets, self.group)
@@ -149,8 +146,3 @@ class ParallelGPT(nn.Module):
             ring_allreduce(flat, check=False, group=self.group)
             for p, reduced in zip(params, flat.split([p.numel() for p in params])):
                 p.grad.copy_(reduced.view_as(p))
-
-
-def _copy(module):
-    """A replica of a small module that every rank keeps whole (a LayerNorm, the position embedding)."""
-    return copy.deepcopy(module)
