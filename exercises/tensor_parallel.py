@@ -1,6 +1,6 @@
 # Generated from solutions/tensor_parallel.py by `python -m parlab.exercises build`.
 # Write your code where it raises NotImplementedError, then run `python -m parlab.grade tensor_parallel`.
-# parlab-generated sha256=f450f41d4cf886bc65ff441b01b9ee10c3d2c432690ab6d4f03ff8763069b2ee
+# parlab-generated sha256=fe8190f7fbf98bd2eadca1076739a99eb1d5bccd681207e1d1cefb32818e8965
 """Exercise: Megatron's column- and row-parallel linear layers with the operators f and g,
 and a dynamic loss scaler.
 
@@ -29,8 +29,10 @@ Mixed precision: ``DynamicLossScaler`` multiplies the loss by a scale S before b
 that small fp16 gradients do not underflow, and divides the gradients by S before the
 optimizer step. When a gradient holds an inf or a nan the step is skipped and S is
 multiplied by ``backoff_factor``; after ``growth_interval`` good steps in a row it is
-multiplied by ``growth_factor``. Given the same overflows it follows exactly the scale
-sequence of ``torch.amp.GradScaler`` (its ``get_scale()`` after each ``update()``).
+multiplied by ``growth_factor``. Given the same overflows it follows the scale sequence of
+``torch.amp.GradScaler`` (its ``get_scale()`` after each ``update()``): exactly with
+power-of-two factors such as the defaults (GradScaler rounds its scale to fp32, a Python
+float does not; ``parlab.mixed_precision.LossScaler`` rounds as GradScaler does).
 
 Stuck? ``parlab.hint("tensor_parallel.column_row_linear")`` opens a hint, one level at a
 time. Grade your work with ``python -m parlab.grade tensor_parallel`` (or
