@@ -15,7 +15,7 @@ from torch import nn
 import parlab
 from parlab import runtime
 from parlab.zero import ZeroDP, checkpoint
-from parlab.zero.stages import offload_bytes_per_step
+from parlab.zero.formulas import offload_bytes_per_step, offload_state_bytes
 
 SIZES, BATCH, STEPS = (6, 9, 5), 16, 4  # 63 + 50 = 113 parameters: padded at N_d = 2, 4
 OPTIMIZERS = {"Adam": (torch.optim.Adam, dict(lr=1e-2)), "SGD momentum": (torch.optim.SGD, dict(lr=0.1, momentum=0.9))}
@@ -72,12 +72,13 @@ def test_offload_trains_bit_for_bit_and_moves_the_formulas_bytes(world, request)
                                                                       "parameters to device": 4 * shard}, label
                 assert shard_device == torch.device("cpu")
                 step_count = 4 if name == "Adam" else 0  # Adam's step, one fp32 scalar
-                # the host: the fp32 shard, its gradient and the optimizer state
-                held = (host.params, host.grads, host.optimizer)
-                assert held == (4 * shard, 4 * shard, kappa[name] * shard + step_count), label
-                # the device: the parameters, stage 1's flat gradient, no optimizer state
-                assert (device.params, device.grads, device.optimizer) == (4 * padded, 4 * padded if stage == 1 else 0,
-                                                                           0), label
+                # the host: the fp32 shard, its gradient and the optimizer state; the device: the
+                # parameters, stage 1's flat gradient, no optimizer state
+                on_device, on_host = offload_state_bytes(padded, N, stage, kappa[name])
+                assert on_host == (4 * shard, 4 * shard, kappa[name] * shard), label
+                assert on_device == (4 * padded, 4 * padded if stage == 1 else 0, 0), label
+                assert host == on_host._replace(optimizer=on_host.optimizer + step_count), label
+                assert device == on_device, label
                 assert plain_host.total == 0 and plain_device.optimizer == kappa[name] * shard + step_count, label
                 assert results[stage, name, False][1] == {}, label  # nothing moves without offload
 
@@ -106,6 +107,8 @@ def test_offload_needs_stage_1_or_2_and_the_formula_a_padded_numel():
         ZeroDP(build(), torch.optim.Adam, stage=1, offload="cpu")
     with pytest.raises(ValueError, match="multiple of N_d"):
         offload_bytes_per_step(113, 4)
+    with pytest.raises(ValueError, match="stage 1 or 2"):
+        offload_state_bytes(112, 4, 3, 8)
 
 
 WIDTH = 128  # 2 x (128 x 128 + 128) = 33 024 parameters: at N_d = 2 a shard of 66 048 bytes, 129 x 512

@@ -20,6 +20,7 @@ from parlab.memory import ring_traffic_bytes
 from parlab.numerics import assert_equivalent, backward_in_shards, ring_orders
 from parlab.zero import ZeroDP
 from parlab.zero.buckets import ring_reduce_scatter_parts
+from parlab.zero.formulas import stage2_peak_gradient_bytes
 
 SIZES, BATCH, STEPS = (7, 13, 11, 5), 16, 4  # 104 + 143 + 60 = 307 trainable parameters: padded at N_d = 2, 4
 # bucket caps in bytes: each parameter alone; buckets of a few parameters that straddle shard
@@ -126,24 +127,25 @@ def test_the_buckets_send_the_bytes_of_one_ring_reduce_scatter(world, request):
 LAYERS, WIDTH = 7, 100  # 7 x 10 100 = 70 700 parameters: N_d = 2 and 4 divide them
 
 
-def layers_engine(stage):
-    """ZeroDP over LAYERS Linear + tanh layers, at stage 2 a bucket per layer; an input batch."""
+def layers_engine(stage, one_bucket=False):
+    """ZeroDP over LAYERS Linear + tanh layers, at stage 2 a bucket per layer (or one bucket for
+    all); an input batch."""
     torch.manual_seed(0)
     model = nn.Sequential(*[layer for _ in range(LAYERS) for layer in (nn.Linear(WIDTH, WIDTH), nn.Tanh())])
-    cap = {"bucket_cap_mb": (WIDTH + 1) * WIDTH * 4 / MB} if stage == 2 else {}
+    cap = {"bucket_cap_mb": math.inf if one_bucket else (WIDTH + 1) * WIDTH * 4 / MB} if stage == 2 else {}
     return ZeroDP(model, torch.optim.Adam, stage=stage, lr=1e-3, **cap), torch.randn(4, WIDTH)
 
 
 def peaks():
     measured = {}
-    for stage in (1, 2):
-        engine, x = layers_engine(stage)
+    for stage, one_bucket in ((1, False), (2, False), (2, True)):
+        engine, x = layers_engine(stage, one_bucket)
         for _ in range(2):
             engine.zero_grad()
             engine(x).square().mean().backward()
             engine.step()
         predicted = engine.buckets.peak_bytes() if stage == 2 else None
-        measured[stage] = (engine.peak_gradient_bytes, predicted, engine.model_state_bytes().grads)
+        measured[stage, one_bucket] = (engine.peak_gradient_bytes, predicted, engine.model_state_bytes().grads)
     return measured
 
 
@@ -153,11 +155,28 @@ def test_the_measured_peak_of_stage_2_is_its_buckets_and_below_stage_1(world, re
     cluster = request.getfixturevalue(world)
     N, psi = cluster.world_size, LAYERS * (WIDTH + 1) * WIDTH
     for rank, measured in enumerate(cluster.run(peaks, timeout=120)):
-        (stage1, _, _), (stage2, predicted, at_rest) = measured[1], measured[2]
+        (stage1, _, _), (stage2, predicted, at_rest) = measured[1, False], measured[2, False]
         assert stage1 == 4 * psi  # the flat gradient buffer, all the time
         # a layer's bucket + its weight's gradient arriving + the gradient shard
         assert stage2 == predicted == 4 * ((WIDTH + 1) * WIDTH + WIDTH * WIDTH + psi // N), rank
+        assert predicted == stage2_peak_gradient_bytes([((WIDTH + 1) * WIDTH, WIDTH * WIDTH)] * LAYERS, psi // N)
         assert stage2 < stage1 and at_rest == 4 * psi // N
+        # one bucket: its buffer (a whole flat gradient) and the shard's gradient, in its reduce-scatter
+        one_bucket, predicted, at_rest = measured[2, True]
+        assert one_bucket == predicted == stage2_peak_gradient_bytes([(psi, WIDTH * WIDTH)], psi // N)
+        assert one_bucket == 4 * (psi + psi // N) > stage1 and at_rest == 4 * psi // N
+
+
+def test_the_stage_2_peak_formula_counts_the_first_bucket_without_the_shard():
+    # the shard's gradient is allocated in the first reduce-scatter, after the first bucket's
+    # last gradient was added and freed: bucket 0 meets one or the other, later buckets both
+    assert stage2_peak_gradient_bytes([(10, 6), (4, 3)], 5) == 4 * max(10 + 6, 4 + 3 + 5)
+    assert stage2_peak_gradient_bytes([(10, 3), (4, 3)], 5, element_bytes=2) == 2 * max(10 + 5, 4 + 3 + 5)
+    assert stage2_peak_gradient_bytes([(4, 3), (10, 6)], 5) == 4 * (10 + 6 + 5)
+    with pytest.raises(ValueError, match="G_b <= B_b"):
+        stage2_peak_gradient_bytes([(4, 5)], 2)
+    with pytest.raises(ValueError, match="buckets is empty"):
+        stage2_peak_gradient_bytes([], 2)
 
 
 class TwoHeads(nn.Module):

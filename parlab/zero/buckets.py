@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from parlab import collectives, p2p, trace
 from parlab.ddp import MB, assign_buckets
+from parlab.zero.formulas import stage2_peak_gradient_bytes
 
 
 class GradientBuckets:
@@ -123,20 +124,16 @@ class GradientBuckets:
             bucket.buffer, bucket.ready = None, set()
         self.launched, self.arrived, self.gradient = 0, False, None
 
+    def sizes(self):
+        """[(B_b, G_b)]: each bucket's elements and its largest gradient's, in reduce order."""
+        return [(bucket.hi - bucket.lo, max(self.layout.numels[i] for i in bucket.indices)) for bucket in self.buckets]
+
     def peak_bytes(self):
         """The largest gradient bytes alive at once in a step, when each bucket's gradients
-        arrive one at a time and before the next bucket's (a chain of layers): bucket b's
-        buffer, one of its gradients and, from the first reduce-scatter on, the shard's
-        gradient (4 padded Psi / N_d bytes in fp32). The first bucket's buffer meets the shard's gradient when that
-        is allocated, in its reduce-scatter."""
+        arrive one at a time and before the next bucket's (a chain of layers):
+        ``parlab.zero.formulas.stage2_peak_gradient_bytes`` of these buckets."""
         size = torch.finfo(self.dtype).bits // 8
-        numels = self.layout.numels
-        peaks = []
-        for b, bucket in enumerate(self.buckets):
-            gradient = max(numels[i] for i in bucket.indices)
-            shard = self.layout.shard_numel
-            peaks.append(bucket.hi - bucket.lo + (shard + gradient if b else max(shard, gradient)))
-        return size * max(peaks)
+        return stage2_peak_gradient_bytes(self.sizes(), self.layout.shard_numel, size)
 
     def buffers(self):
         """The bucket buffers alive now."""

@@ -49,20 +49,23 @@ before the optimizer step): the storages of the gradient tensors alive (flat buf
 gradients, stage 2's bucket buffers and shard gradient; a view counts its storage once). Not
 counted: autograd's temporaries and the collectives' receive buffers. Stages 0, 1: 4 padded Psi
 bytes. Stage 2: 4 padded Psi / N_d + the largest (bucket buffer + one gradient) alive at
-once (``engine.buckets.peak_bytes()``), below stage 1's when a bucket and a gradient together
-stay under (N_d - 1)/N_d of the model, e.g. a bucket per layer of a model of several layers.
-With one bucket for the whole model (a model under 25 MiB at the default cap) stage 2's peak
-is above stage 1's, by one gradient: its saving is then only the 4 Psi (N_d - 1)/N_d bytes
-it does not keep between steps.
+once (``engine.buckets.peak_bytes()``, the formula of ``parlab.zero.formulas``), below stage
+1's when a bucket and a gradient together stay under (N_d - 1)/N_d of the model, e.g. a
+bucket per layer of a model of several layers. With one bucket for the whole model (a model
+under 25 MiB at the default cap) stage 2's peak is stage 1's + the gradient shard: the
+bucket's buffer is a whole flat gradient, and the shard's gradient is allocated beside it in
+its reduce-scatter. Its saving is then only the 4 padded Psi (N_d - 1)/N_d bytes it does not
+keep between steps.
 
 Offload (ZeRO-Offload; ``offload=True``, stages 1 and 2). The optimizer's shard is a host (CPU)
 copy of this rank's fp32 parameter shard and the optimizer keeps its state there: kappa Psi / N_d
 bytes of state (Psi padded, here and below) leave the device, and the host holds the shard,
 its gradient and the state, (4 + 4 + kappa) Psi / N_d (``host_state_bytes()``;
 ``model_state_bytes()`` is then the device's part: 4 Psi of parameters, the gradients of the
-stage, no optimizer state). Each step moves the averaged gradient shard to the host after the
-RS and the updated parameter shard back before the AG: 4 Psi / N_d bytes each way per rank
-(``offload_bytes_per_step``), counted from the tensors copied in ``engine.offload_bytes``.
+stage, no optimizer state; both ``parlab.zero.formulas.offload_state_bytes``). Each step moves
+the averaged gradient shard to the host after the RS and the updated parameter shard back
+before the AG: 4 Psi / N_d bytes each way per rank (``parlab.zero.formulas.offload_bytes_per_step``),
+counted from the tensors copied in ``engine.offload_bytes``.
 (ZeRO-Offload computes in fp16 and sends 2-byte parameters back; here all is fp32.) Without
 an accelerator host and device are the same CPU: the copies are real, in one memory.
 
@@ -81,19 +84,6 @@ from parlab.memory import measure_model_state
 from parlab.zero.buckets import GradientBuckets
 
 STAGES = (0, 1, 2)
-
-
-def offload_bytes_per_step(padded_numel, world_size, element_bytes=4):
-    """Bytes that ``ZeroDP(..., offload=True)`` moves per rank and step between device and
-    host: {"gradients to host": b, "parameters to device": b}, b = ``element_bytes`` x
-    padded_numel / N_d (a shard; 4 bytes an element in fp32)."""
-    _checks.whole_number("padded_numel", padded_numel, "pass the flat buffer's padded numel (layout.padded_numel).")
-    N = _checks.whole_number("world_size (N_d)", world_size, "pass the number of ranks, e.g. 4.")
-    if padded_numel % N:
-        raise ValueError(f"padded_numel ({padded_numel}) must be a multiple of N_d ({N}): pass the padded numel "
-                         "(engine.layout.padded_numel), not Psi.")
-    e = _checks.whole_number("element_bytes", element_bytes, "pass the bytes of one element, 4 in fp32.")
-    return {"gradients to host": e * padded_numel // N, "parameters to device": e * padded_numel // N}
 
 
 class ZeroDP(torch.nn.Module):
