@@ -116,7 +116,7 @@ def ring_steps(N, phase=None):
     return steps
 
 
-def ring_reduce_scatter(tensor, op="sum", check=True, group=None):
+def ring_reduce_scatter(tensor, op="sum", check=True, group=None, parts=None):
     """Ring reduce-scatter: the N - 1 "reduce-scatter" steps of ``ring_steps(N)``; at step j
     rank r sends chunk (r - j - 1) mod N to rank r + 1, receives chunk (r - j - 2) mod N from
     rank r - 1 and reduces it into its own copy.
@@ -125,11 +125,16 @@ def ring_reduce_scatter(tensor, op="sum", check=True, group=None):
     reduction over all ranks (as chunk r of ``torch.distributed.reduce_scatter``); the other
     chunks hold partial results. Each rank sends every chunk but chunk r: (N - 1)/N D when N
     divides numel.
+
+    ``parts``: the chunks' bounds [(start, end)] in the flat tensor, one per rank, of any
+    sizes, the same on every rank (default: ``chunk_bounds``). An empty part is never sent
+    (ZeRO stage 2 cuts a bucket of gradients where the ranks' shards cut it, and a bucket may
+    miss a rank's shard).
     """
     flat, op = _prepare("ring_reduce_scatter", tensor, op, None, check, group)
     rank, N = dist.get_rank(group), dist.get_world_size(group)
-    chunks = ring_chunks(flat, group)
-    incoming = _scratch(flat, chunks[0].numel())  # chunk 0 is the largest
+    chunks = ring_chunks(flat, group) if parts is None else _parts(flat, parts, N)
+    incoming = _scratch(flat, max(chunk.numel() for chunk in chunks))
     right, left = _global(group, rank + 1), _global(group, rank - 1)
     for step in ring_steps(N, "reduce-scatter"):
         sent, received = chunks[step.send[rank]], chunks[step.receive[rank]]
@@ -315,10 +320,25 @@ def _global(group, group_rank):
 def _exchange(outgoing, dst, incoming, src):
     """Send ``outgoing`` to ``dst`` while receiving ``incoming`` from ``src``. Starting the
     send with isend lets both directions overlap, and no ring deadlocks with every rank
-    sending first."""
-    request = p2p.isend(outgoing, dst)
-    p2p.recv(incoming, src)
-    request.wait()
+    sending first. An empty ``outgoing`` or ``incoming`` is skipped: its peer has it empty
+    too (it is the same chunk)."""
+    request = p2p.isend(outgoing, dst) if outgoing.numel() else None
+    if incoming.numel():
+        p2p.recv(incoming, src)
+    if request is not None:
+        request.wait()
+
+
+def _parts(flat, parts, N):
+    """Views of ``flat`` for the explicit ``parts`` of ``ring_reduce_scatter``, checked."""
+    fix = f"pass one (start, end) per rank, N = {N} of them, with 0 <= start <= end <= numel = {flat.numel()}."
+    try:
+        bounds = [(int(start), int(end)) for start, end in parts]
+    except (TypeError, ValueError):
+        raise ValueError(f"parts must be (start, end) pairs, got {parts!r}: {fix}") from None
+    if len(bounds) != N or not all(0 <= start <= end <= flat.numel() for start, end in bounds):
+        raise ValueError(f"parts {parts!r} do not cut a tensor of {flat.numel()} elements for {N} ranks: {fix}")
+    return [flat[start:end] for start, end in bounds]
 
 
 _scratch_buffers = {}

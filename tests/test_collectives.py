@@ -20,6 +20,7 @@ from parlab.collectives import (
     tree_broadcast,
     tree_reduce,
 )
+from parlab.numerics import assert_equivalent, ring_orders
 
 SHAPES = [(1,), (5,), (1003,), (5, 3, 3)]  # lengths that mostly do not divide by N
 TORCH_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -310,6 +311,54 @@ def test_rank_r_owns_chunk_r_as_torch_distributed_reduce_scatter_gives_it(world_
     for rank, (owned, ours, torchs) in enumerate(results):
         assert owned == rank
         assert torch.equal(ours, torchs), rank  # integers below 2**24: every order of the sum is exact
+
+
+# uneven explicit parts, as ZeRO stage 2 cuts a bucket where the ranks' shards cut it: part 0
+# after part 1 in memory, an empty part, a gap no part covers
+EXPLICIT_PARTS = {2: [(5, 11), (0, 5)], 3: [(4, 4), (0, 4), (6, 11)], 4: [(0, 3), (3, 3), (3, 10), (10, 11)]}
+
+
+def reduce_scatter_explicit_parts(parts):
+    x = torch.randn(11, generator=torch.Generator().manual_seed(dist.get_rank()), dtype=torch.float32)
+    before = x.clone()
+    with parlab.trace.span("reduce-scatter"):
+        owned = ring_reduce_scatter(x, op="avg", check=False, parts=parts)
+    return owned, x, before
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_a_reduce_scatter_over_explicit_uneven_parts_averages_each_part_on_its_rank(world_size, request):
+    N, parts = world_size, EXPLICIT_PARTS[world_size]
+    timeline = request.getfixturevalue(f"cluster{N}").trace(reduce_scatter_explicit_parts, parts, timeout=30)
+    inputs = [before for _, _, before in timeline.results]
+    average = torch.stack(inputs).sum(0) / N  # one process, ranks added in order
+    for rank, (owned, after, before) in enumerate(timeline.results):
+        start, end = parts[rank]
+        assert owned == rank
+        # the ring's own order for part r (from rank r + 1 round to rank r): the same additions
+        in_ring_order = inputs[(rank + 1) % N].clone()
+        for k in range(2, N + 1):
+            in_ring_order += inputs[(rank + k) % N]
+        assert torch.equal(after[start:end], in_ring_order[start:end] / N), rank
+        decomposed = [torch.stack([inputs[i] for i in order]).sum(0) / N for order in ring_orders(N)]
+        assert_equivalent(after[start:end], average[start:end], [d[start:end] for d in decomposed])
+        covered = torch.zeros(11, dtype=torch.bool)
+        for lo, hi in parts:
+            covered[lo:hi] = True
+        assert torch.equal(after[~covered], before[~covered])  # the gap is untouched
+        sent = sum(ev.nbytes for ev in timeline.select(rank=rank, kind="comm") if ev.name in ("send", "isend"))
+        assert sent == 4 * sum(hi - lo for q, (lo, hi) in enumerate(parts) if q != rank), rank
+        sends = [ev for ev in timeline.select(rank=rank, kind="comm") if ev.name in ("send", "isend")]
+        assert all(ev.nbytes for ev in sends)  # an empty part is never sent
+
+
+@pytest.mark.timeout(30)
+def test_explicit_parts_must_cut_the_tensor_once_per_rank(cluster2):
+    for parts, words in (([(0, 5)], "for 2 ranks"), ([(0, 5), (5, 12)], "0 <= start <= end <= numel = 11"),
+                         ([(0, 5), "ab"], "must be \\(start, end\\) pairs")):
+        with pytest.raises(parlab.RankError, match=words):
+            cluster2.run(reduce_scatter_explicit_parts, parts, timeout=30)
 
 
 # --- mistakes a learner can make -----------------------------------------------------------

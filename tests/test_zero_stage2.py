@@ -19,7 +19,6 @@ from parlab.ddp import MB
 from parlab.memory import ring_traffic_bytes
 from parlab.numerics import assert_equivalent, backward_in_shards, ring_orders
 from parlab.zero import ZeroDP
-from parlab.zero.buckets import ring_reduce_scatter_parts
 from parlab.zero.formulas import stage2_peak_gradient_bytes
 
 SIZES, BATCH, STEPS = (7, 13, 11, 5), 16, 4  # 104 + 143 + 60 = 307 trainable parameters: padded at N_d = 2, 4
@@ -221,26 +220,6 @@ def test_accumulated_micro_batches_and_an_unused_parameter_give_stage_1s_result(
     for stage1, stage2 in cluster4.run(both_stages_accumulating, second_head, timeout=60):
         assert all(torch.equal(stage1[name], stage2[name]) for name in stage1)
         assert all(not torch.equal(stage2[name], start[name]) for name in start)  # every parameter stepped
-
-
-def uneven_parts():
-    N, rank = dist.get_world_size(), dist.get_rank()
-    parts = [(0, 3), (3, 3), (3, 10), (10, 11)][:N]  # rank 1's part is empty
-    flat = torch.arange(11.0) * (rank + 1)
-    with trace.span("reduce-scatter"):
-        ring_reduce_scatter_parts(flat, parts)
-    start, end = parts[rank]
-    return flat[start:end], torch.arange(11.0)[start:end] * sum(range(1, N + 1)) / N
-
-
-@pytest.mark.timeout(60)
-def test_a_reduce_scatter_over_uneven_parts_sends_every_part_but_the_own(cluster4):
-    timeline = cluster4.trace(uneven_parts, timeout=60)
-    parts = [(0, 3), (3, 3), (3, 10), (10, 11)]
-    for rank, (mine, expected) in enumerate(timeline.results):
-        assert torch.equal(mine, expected)
-        sent = sum(ev.nbytes for ev in timeline.select(rank=rank, kind="comm") if ev.name in ("send", "isend"))
-        assert sent == 4 * (11 - (parts[rank][1] - parts[rank][0]))
 
 
 def step_without_backward():

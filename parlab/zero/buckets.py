@@ -18,8 +18,8 @@ Buckets are reduced in order, as DDP launches its all-reduces, so every rank mak
 collectives in the same order; a bucket with a parameter that got no gradient this step is
 reduced in ``finish`` (called by the engine's step), its missing gradients as zeros.
 
-The reduce-scatter of a bucket is a ring over uneven parts (``ring_reduce_scatter_parts``):
-the steps of ``parlab.collectives.ring_steps``, part q ending, averaged, on rank q. Each part
+The reduce-scatter of a bucket is the ring's, ``parlab.collectives.ring_reduce_scatter``, over
+the bucket's uneven parts (``parts=``): part q ends, averaged, on rank q. Each part
 is summed in the same order as by a ring reduce-scatter of the whole flat buffer, so stage 2's
 averaged shard is bit for bit stage 1's; and each rank sends every part but its own, so over
 all buckets it sends (N_d - 1)/N_d x padded Psi elements: a ring reduce-scatter's (N_d - 1)/N_d x 4 padded
@@ -35,7 +35,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from parlab import collectives, p2p, trace
+from parlab import collectives, trace
 from parlab.ddp import MB, assign_buckets
 from parlab.zero.formulas import stage2_peak_gradient_bytes
 
@@ -92,7 +92,7 @@ class GradientBuckets:
         if bucket.buffer is None:  # no gradient arrived for any of its parameters: zeros
             bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=self.dtype, device=self.device)
         with trace.span("reduce-scatter gradients", stage=self.launched):
-            ring_reduce_scatter_parts(bucket.buffer, bucket.parts)
+            collectives.ring_reduce_scatter(bucket.buffer, op="avg", check=False, parts=bucket.parts)
         if self.gradient is None:
             self.gradient = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
             self.measure()
@@ -151,24 +151,3 @@ class Bucket:
 
     def is_full(self):
         return len(self.ready) == len(self.indices)
-
-
-def ring_reduce_scatter_parts(flat, parts):
-    """Ring reduce-scatter of ``flat`` over the default group, cut into the given ``parts``
-    [(start, end)] of any sizes (one per rank; empty ones send nothing): afterwards part r of
-    rank r's ``flat`` is the average over the N_d ranks. The schedule is
-    ``parlab.collectives.ring_steps``: at step j rank r sends part (r - j - 1) mod N to rank
-    r + 1 and adds part (r - j - 2) mod N, received from rank r - 1, into its own."""
-    rank, N = dist.get_rank(), dist.get_world_size()
-    pieces = [flat[start:end] for start, end in parts]
-    incoming = torch.empty(max(piece.numel() for piece in pieces), dtype=flat.dtype, device=flat.device)
-    for step in collectives.ring_steps(N, "reduce-scatter"):
-        sent, received = pieces[step.send[rank]], pieces[step.receive[rank]]
-        request = p2p.isend(sent, (rank + 1) % N) if sent.numel() else None
-        if received.numel():
-            buffer = p2p.recv(incoming[: received.numel()], (rank - 1) % N)
-            received.add_(buffer)
-        if request is not None:
-            request.wait()
-    pieces[rank].div_(N)
-    return flat
