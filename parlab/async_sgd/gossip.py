@@ -111,6 +111,17 @@ def rho(W):
     return torch.linalg.matrix_norm(W.double() - 1 / N, ord=2).item()
 
 
+def step_seconds(W, nbytes, alpha, beta):
+    """One mixing step's time in the alpha-beta model: every rank sends x (``nbytes``) to each
+    rank that hears from it and receives from each rank it hears from, one message at a
+    time on each port, so the busiest port takes max(sends, receives) (alpha + nbytes beta).
+    On a ring (N >= 3): 2 (alpha + D beta), whatever N is; a ring all-reduce takes
+    2 (N - 1) alpha + 2 (N - 1)/N D beta."""
+    others = W.clone().fill_diagonal_(0) != 0
+    busiest = max(int(others.sum(0).max().item()), int(others.sum(1).max().item()))
+    return busiest * (alpha + nbytes * beta)
+
+
 def consensus_distance(xs):
     """Xi = (1/N) sum_r ||x_r - x_bar||^2 of the N replicas ``xs`` (a list of tensors, or a
     tensor whose first dimension is N)."""

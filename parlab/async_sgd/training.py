@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parlab import collectives
+from parlab import collectives, trace
 from parlab._checks import whole_number
 from parlab.async_sgd import gossip, local_sgd, parameter_server
 from parlab.runtime import emulation
@@ -57,7 +57,8 @@ class LeastSquares:
     def gradient(self, w, rank, step):
         """(1/m) A^T (A w - y) on rank ``rank``'s batch ``step``; takes ``seconds`` of declared compute."""
         A, y = self.batch(10_000 * rank + step)
-        emulation.compute(self.seconds, step)
+        with trace.span("gradient"):
+            emulation.compute(self.seconds, step)
         return A.T @ (A @ w - y) / self.m
 
     def loss(self, w):
@@ -85,17 +86,44 @@ def train(method, problem, steps, period=4):
     averager = local_sgd.PeriodicAverager(period, warmup_steps=period - 1)  # averages after steps H, 2H, ...
     ring = gossip.ring(N)
     for step in range(steps):
-        if method == "gossip":
-            gossip.gossip_step(w, ring, lambda v, step=step: problem.gradient(v, rank, step), problem.lr)
-        else:
-            g = problem.gradient(w, rank, step)
-            if method == "sync":
-                collectives.ring_allreduce(g, op="avg", check=False)
-            w -= problem.lr * g
-            if method == "local":
-                averager.average_parameters([w])
+        with trace.span("step"):
+            _step(method, problem, w, rank, step, ring, averager)
         records.append((time.perf_counter(), w.clone()))
     return records
+
+
+def _step(method, problem, w, rank, step, ring, averager):
+    if method == "gossip":
+        gossip.gossip_step(w, ring, lambda v: problem.gradient(v, rank, step), problem.lr)
+        return
+    g = problem.gradient(w, rank, step)
+    if method == "sync":
+        collectives.ring_allreduce(g, op="avg", check=False)
+    w -= problem.lr * g
+    if method == "local":
+        averager.average_parameters([w])
+
+
+def time_exchange(kind, numel, repeats):
+    """Seconds per call on this rank, the mean of ``repeats`` after one warm-up, of one ring
+    all-reduce (``kind`` "ring") or one gossip mixing step on the ring ("gossip", no
+    gradient) of ``numel`` float32 values."""
+    if kind not in ("ring", "gossip"):
+        raise ValueError(f'kind must be "ring" or "gossip", got {kind!r}.')
+    x, ring = torch.ones(numel), gossip.ring(dist.get_world_size())
+
+    def once():
+        if kind == "ring":
+            collectives.ring_allreduce(x, check=False)
+        else:
+            gossip.gossip_step(x, ring)
+
+    once()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        once()
+    return (time.perf_counter() - start) / repeats
 
 
 def curve_of(results, problem):
