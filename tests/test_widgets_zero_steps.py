@@ -53,11 +53,14 @@ def test_stage_1_shards_the_optimizer_state_and_keeps_the_full_gradient_buffer()
     assert rank(1, 3, 2) == (("w_t+1",) * 4, ("partial", "partial", "g_avg", "partial"), (_, _, "s_t+1", _))
 
 
-def test_stage_2_keeps_only_its_gradient_shard_after_the_reduce_scatter():
-    assert rank(2, 0, 2)[1] == ("g_r",) * 4  # the full gradient exists from backward to the step
-    assert rank(2, 1, 3) == (("w_t",) * 4, (_, _, _, "g_avg"), (_, _, _, "s_t"))
-    assert rank(2, 2, 2) == (("w_t", "w_t", "w_t+1", "w_t"), (_, _, "g_avg", _), (_, _, "s_t+1", _))
-    assert rank(2, 3, 1) == (("w_t+1",) * 4, (_, "g_avg", _, _), (_, "s_t+1", _, _))
+def test_stage_2_never_holds_a_full_gradient():
+    # its buckets are reduce-scattered during backward (parlab.zero.buckets): after backward a
+    # rank holds its averaged shard only (the picture once showed every rank's full g_r there)
+    assert len(STEP_PHASES[2]) == 3 and "bucket" in STEP_PHASES[2][0]
+    assert all("g_r" not in rank(2, phase, r)[1] for phase in range(3) for r in range(4))
+    assert rank(2, 0, 3) == (("w_t",) * 4, (_, _, _, "g_avg"), (_, _, _, "s_t"))
+    assert rank(2, 1, 2) == (("w_t", "w_t", "w_t+1", "w_t"), (_, _, "g_avg", _), (_, _, "s_t+1", _))
+    assert rank(2, 2, 1) == (("w_t+1",) * 4, (_, "g_avg", _, _), (_, "s_t+1", _, _))
 
 
 def test_stage_3_gathers_a_unit_only_around_its_forward_and_backward():
@@ -165,7 +168,7 @@ def test_plot_zero_steps_draws_every_phase():
 def test_the_widget_answers_its_controls():
     widget = zero_step_widget(n_d=2)
     (stage, phase), image = widget.children[0].children, widget.children[-1]
-    assert (stage.value, phase.value, phase.max) == (2, 1, 4)
+    assert (stage.value, phase.value, phase.max) == (2, 1, 3)
     assert image.value[:4] == b"\x89PNG"
     picture = image.value
     phase.value = 3
@@ -183,5 +186,5 @@ def test_without_ipywidgets_the_widget_is_the_static_figure(monkeypatch):
     monkeypatch.setitem(sys.modules, "ipywidgets", None)
     with pytest.warns(UserWarning, match="ipywidgets is not installed"):
         figure = zero_step_widget(n_d=2)
-    assert isinstance(figure, Figure) and len(figure.axes) == 4
-    assert figure.axes[0].get_title().startswith("ZeRO stage 2, phase 1/4")
+    assert isinstance(figure, Figure) and len(figure.axes) == 4  # 3 panels, two a row
+    assert figure.axes[0].get_title().startswith("ZeRO stage 2, phase 1/3")

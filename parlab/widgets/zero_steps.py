@@ -26,8 +26,11 @@ The phases, each drawn as the holdings right after it:
     stage 1   backward; reduce-scatter of the gradients; the optimizer step on the own shard;
               all-gather of the parameters. The full gradient buffer stays, partial sums
               outside the own shard, and ``zero_grad`` zeroes it in place for the next step
-    stage 2   the same, but the reduce-scatter keeps a copy of the own averaged shard and
-              frees the full gradient buffer: at rest a rank holds its gradient shard only
+    stage 2   backward, each bucket of gradients reduce-scattered as soon as backward has
+              produced it (``parlab.zero.buckets``), its own part added into the rank's
+              gradient shard and the bucket freed: no full gradient is ever held, and after
+              backward a rank holds its averaged gradient shard only; then the optimizer step
+              on the own shard and the all-gather of the parameters, as stage 1
     stage 3   one FSDP unit (the model's other units go through the same phases in turn, one
               gathered at a time): all-gather before forward; forward done, full parameters
               freed; all-gather before backward and the unit's backward (its full gradient
@@ -47,13 +50,13 @@ STEP_PHASES = {
         "optimizer step on every shard"),
     1: ("backward", "reduce-scatter of the gradients (the full buffer is kept)", "optimizer step on the own shard",
         "all-gather of the parameters"),
-    2: ("backward", "reduce-scatter of the gradients, the full gradient freed", "optimizer step on the own shard",
+    2: ("backward, each bucket reduce-scattered as backward produces it", "optimizer step on the own shard",
         "all-gather of the parameters"),
     3: ("all-gather before forward", "forward done: the full parameters freed",
         "all-gather before backward, then the unit's backward", "reduce-scatter of the gradient, full buffers freed",
         "optimizer step on the own shard"),
 }
-OPTIMIZER_PHASE = {0: 3, 1: 2, 2: 2, 3: 4}  # the index of the optimizer step in STEP_PHASES
+OPTIMIZER_PHASE = {0: 3, 1: 2, 2: 1, 3: 4}  # the index of the optimizer step in STEP_PHASES
 COLOURS = {  # light before, dark after; each state in the colour memory_bars gives it
     "w_t": "#aec7e8", "w_t+1": "#1f77b4",
     "g_r": "#ffbb78", "g_avg": "#ff7f0e", "partial": "#e6e6e6",
@@ -98,6 +101,8 @@ def _rank_holdings(stage, phase, own, n_d):
         else:
             grads = everywhere("g_avg")  # the all-gather completed the all-reduce
         return {"params": params, "grads": grads, "optimizer": everywhere(state)}
+    if stage == 2:
+        phase += 1  # its backward ends where stage 1's reduce-scatter does, with the own shard only
     params = everywhere("w_t") if phase < 2 else own_shard("w_t+1", "w_t") if phase == 2 else everywhere("w_t+1")
     grads = everywhere("g_r") if phase == 0 else own_shard("g_avg", "partial" if stage == 1 else None)
     return {"params": params, "grads": grads, "optimizer": own_shard(state)}
