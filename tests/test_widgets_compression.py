@@ -65,6 +65,12 @@ def test_the_widget_redraws_on_its_controls_and_measures_on_the_cluster(cluster2
     choice, fraction, rank, ranks, speed, measure_button, readout, feedback, image = widget.children
     assert readout.value.startswith("top-k + EF: <b>47,340 bytes</b> per rank")
     picture = image.value
+    for control, value in ((fraction, 0.1), (rank, 4), (ranks, 8), (speed, 1e9)):  # each control redraws
+        control.value = value
+        assert image.value != picture, control.description
+        picture = image.value
+    ranks.value, speed.value = 4, 10e6
+    picture = image.value
     choice.value = "fp16"
     assert readout.value.startswith(f"fp16: <b>{3 * 2 * D // 2:,} bytes</b>") and image.value != picture
     measure_button.click()

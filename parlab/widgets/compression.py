@@ -104,9 +104,10 @@ def plot_curves(runs, axes=None, title=""):
 
 
 def compression_widget(cluster, kind="top-k + EF", N=4, bandwidth=10e6, latency=500e-6, budget=0.01, rank=2):
-    """Controls: compressor, its budget k/d (top-k, random-k) or rank (PowerSGD), N (for the
-    prediction), the link's bandwidth; the readout gives bytes and predicted step beside
-    dense. "measure" trains dense and the compressor on ``cluster`` under that link
+    """Controls: compressor, the budget k/d (top-k, random-k) and PowerSGD's rank, N (for the
+    prediction), the link's bandwidth; the figure gives bytes and predicted step of dense, the
+    chosen compressor, and top-k and PowerSGD at the chosen budget and rank; the readout the
+    chosen one's beside dense. "measure" trains dense and the compressor on ``cluster`` under that link
     (emulated; its own N) for a few steps and adds the measured medians. Displays a static
     picture of the first state and returns an ipywidgets VBox; without ipywidgets, warns and
     returns the static figure."""
@@ -125,8 +126,11 @@ def compression_widget(cluster, kind="top-k + EF", N=4, bandwidth=10e6, latency=
     state = {"cluster": cluster, "measured": {}}
 
     def rows():
-        found = step_prediction(choice.value, ranks.value, Link(latency, speed.value), fraction.value,
-                                power_rank.value)
+        # dense, the chosen compressor, and top-k and PowerSGD always, so that each control shows its effect
+        link = Link(latency, speed.value)
+        kinds = list(dict.fromkeys([choice.value, "top-k + EF", "PowerSGD + EF"]))
+        pairs = [step_prediction(kind, ranks.value, link, fraction.value, power_rank.value) for kind in kinds]
+        found = [pairs[0][0]] + [pair[1] for pair in pairs]
         for row in found:
             row["measured_s"] = state["measured"].get((row["name"], ranks.value, speed.value))
         return found
