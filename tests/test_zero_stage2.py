@@ -126,25 +126,28 @@ def test_the_buckets_send_the_bytes_of_one_ring_reduce_scatter(world, request):
 LAYERS, WIDTH = 7, 100  # 7 x 10 100 = 70 700 parameters: N_d = 2 and 4 divide them
 
 
-def layers_engine(stage, one_bucket=False):
-    """ZeroDP over LAYERS Linear + tanh layers, at stage 2 a bucket per layer (or one bucket for
-    all); an input batch."""
+STAGE2_CAPS = {"per layer": (WIDTH + 1) * WIDTH * 4, "per parameter": 1, "one bucket": math.inf}  # bytes
+
+
+def layers_engine(stage, buckets=None):
+    """ZeroDP over LAYERS Linear + tanh layers, at stage 2 with ``buckets`` (a STAGE2_CAPS key);
+    an input batch."""
     torch.manual_seed(0)
     model = nn.Sequential(*[layer for _ in range(LAYERS) for layer in (nn.Linear(WIDTH, WIDTH), nn.Tanh())])
-    cap = {"bucket_cap_mb": math.inf if one_bucket else (WIDTH + 1) * WIDTH * 4 / MB} if stage == 2 else {}
+    cap = {"bucket_cap_mb": STAGE2_CAPS[buckets] / MB} if stage == 2 else {}
     return ZeroDP(model, torch.optim.Adam, stage=stage, lr=1e-3, **cap), torch.randn(4, WIDTH)
 
 
 def peaks():
     measured = {}
-    for stage, one_bucket in ((1, False), (2, False), (2, True)):
-        engine, x = layers_engine(stage, one_bucket)
+    for stage, buckets in ((1, None), *((2, buckets) for buckets in STAGE2_CAPS)):
+        engine, x = layers_engine(stage, buckets)
         for _ in range(2):
             engine.zero_grad()
             engine(x).square().mean().backward()
             engine.step()
         predicted = engine.buckets.peak_bytes() if stage == 2 else None
-        measured[stage, one_bucket] = (engine.peak_gradient_bytes, predicted, engine.model_state_bytes().grads)
+        measured[buckets] = (engine.peak_gradient_bytes, predicted, engine.model_state_bytes().grads)
     return measured
 
 
@@ -153,17 +156,22 @@ def peaks():
 def test_the_measured_peak_of_stage_2_is_its_buckets_and_below_stage_1(world, request):
     cluster = request.getfixturevalue(world)
     N, psi = cluster.world_size, LAYERS * (WIDTH + 1) * WIDTH
+    weight, layer = WIDTH * WIDTH, (WIDTH + 1) * WIDTH
     for rank, measured in enumerate(cluster.run(peaks, timeout=120)):
-        (stage1, _, _), (stage2, predicted, at_rest) = measured[1, False], measured[2, False]
+        stage1 = measured[None][0]
         assert stage1 == 4 * psi  # the flat gradient buffer, all the time
-        # a layer's bucket + its weight's gradient arriving + the gradient shard
-        assert stage2 == predicted == 4 * ((WIDTH + 1) * WIDTH + WIDTH * WIDTH + psi // N), rank
-        assert predicted == stage2_peak_gradient_bytes([((WIDTH + 1) * WIDTH, WIDTH * WIDTH)] * LAYERS, psi // N)
-        assert stage2 < stage1 and at_rest == 4 * psi // N
-        # one bucket: its buffer (a whole flat gradient) and the shard's gradient, in its reduce-scatter
-        one_bucket, predicted, at_rest = measured[2, True]
-        assert one_bucket == predicted == stage2_peak_gradient_bytes([(psi, WIDTH * WIDTH)], psi // N)
-        assert one_bucket == 4 * (psi + psi // N) > stage1 and at_rest == 4 * psi // N
+        expected = {  # B_b + G_b + padded Psi / N_d of the largest bucket
+            "per layer": (4 * (layer + weight + psi // N), [(layer, weight)] * LAYERS),
+            # a weight's bucket is its gradient: no buffer beside it (before, 4 (2 weight + Psi / N_d))
+            "per parameter": (4 * (weight + psi // N), [(WIDTH, WIDTH), (weight, weight)] * LAYERS),
+            # its buffer, a whole flat gradient, and the shard's gradient, in its reduce-scatter
+            "one bucket": (4 * (psi + psi // N), [(psi, weight)]),
+        }
+        for buckets, (formula, sizes) in expected.items():
+            peak, predicted, at_rest = measured[buckets]
+            assert peak == predicted == formula == stage2_peak_gradient_bytes(sizes, psi // N), (rank, buckets)
+            assert at_rest == 4 * psi // N, (rank, buckets)
+            assert (peak < stage1) == (buckets != "one bucket"), (rank, buckets)
 
 
 def test_the_stage_2_peak_formula_counts_the_first_bucket_without_the_shard():
@@ -172,6 +180,9 @@ def test_the_stage_2_peak_formula_counts_the_first_bucket_without_the_shard():
     assert stage2_peak_gradient_bytes([(10, 6), (4, 3)], 5) == 4 * max(10 + 6, 4 + 3 + 5)
     assert stage2_peak_gradient_bytes([(10, 3), (4, 3)], 5, element_bytes=2) == 2 * max(10 + 5, 4 + 3 + 5)
     assert stage2_peak_gradient_bytes([(4, 3), (10, 6)], 5) == 4 * (10 + 6 + 5)
+    # a bucket that is one gradient is that gradient: no copy beside it
+    assert stage2_peak_gradient_bytes([(4, 4), (10, 10)], 5) == 4 * (10 + 5)
+    assert stage2_peak_gradient_bytes([(10, 10)], 5) == 4 * (10 + 5)
     with pytest.raises(ValueError, match="G_b <= B_b"):
         stage2_peak_gradient_bytes([(4, 5)], 2)
     with pytest.raises(ValueError, match="buckets is empty"):
@@ -246,7 +257,7 @@ def profiled_step(stage):
     running total, plus the gradient bytes the engine held when the step began (stage 1's
     flat gradient; nothing at stage 2). Parameters and optimizer state, the same at both
     stages, are left out."""
-    engine, x = layers_engine(stage)
+    engine, x = layers_engine(stage, "per layer")
     engine.zero_grad()
     engine(x).square().mean().backward()
     engine.step()  # the first step makes the optimizer state and the receive buffers

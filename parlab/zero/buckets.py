@@ -27,7 +27,8 @@ Psi bytes in fp32, in more messages (one per non-empty part and step).
 
 Memory: the gradients live are this rank's averaged shard (4 padded Psi / N_d bytes), the buffers of the
 buckets not yet reduced (one at a time when gradients arrive in bucket order) and the one
-gradient just produced, against stage 1's full flat gradient of 4 padded Psi bytes.
+gradient just produced, against stage 1's full flat gradient of 4 padded Psi bytes. A bucket
+of one parameter (padding aside) needs no buffer of its own: its gradient is its buffer.
 """
 
 import functools
@@ -73,11 +74,15 @@ class GradientBuckets:
 
     def gradient_ready(self, bucket, index, param):
         """Post-accumulate-grad hook of parameter ``index``: its gradient into the bucket's
-        buffer (then freed), and reduce every bucket that is now full, in order."""
-        if bucket.buffer is None:
-            bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=param.dtype, device=param.device)
+        buffer (then freed), and reduce every bucket that is now full, in order. A bucket that
+        is exactly this one gradient takes the gradient itself as its buffer: no copy."""
         start = self.layout.offsets[index] - bucket.lo
-        bucket.buffer[start : start + param.numel()].add_(param.grad.reshape(-1))
+        if bucket.buffer is None and param.numel() == bucket.hi - bucket.lo and param.grad.is_contiguous():
+            bucket.buffer = param.grad.view(-1)  # what zeros + the gradient would hold, bit for bit
+        else:
+            if bucket.buffer is None:
+                bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=param.dtype, device=param.device)
+            bucket.buffer[start : start + param.numel()].add_(param.grad.reshape(-1))
         self.measure()
         param.grad = None
         bucket.ready.add(index)

@@ -21,7 +21,8 @@ and G_b in its largest gradient:
 
 bucket b's buffer, the gradient just produced that is being added into it, and the shard's
 averaged gradient, which is allocated in the first reduce-scatter and lives to the next
-``zero_grad``. Below stage 1's when B_b + G_b < (N_d - 1)/N_d padded Psi: buckets much smaller
+``zero_grad``. A bucket that is one gradient (G_b = B_b) takes that gradient as its buffer,
+so its term is B_b alone. Below stage 1's when B_b + G_b < (N_d - 1)/N_d padded Psi: buckets much smaller
 than the model. A single bucket for the whole model (B_0 = padded Psi) peaks at
 e (padded Psi + padded Psi / N_d), above stage 1: its buffer is a whole flat gradient.
 """
@@ -46,7 +47,8 @@ def stage2_peak_gradient_bytes(buckets, shard_numel, element_bytes=4):
                              "with G_b <= B_b.")
     _checks.whole_number("shard_numel", shard_numel, "pass padded Psi / N_d (layout.shard_numel).")
     e = _checks.whole_number("element_bytes", element_bytes, "pass the bytes of one element, 4 in fp32.")
-    (first, first_gradient), rest = buckets[0], buckets[1:]
+    copied = [(numel, 0 if gradient == numel else gradient) for numel, gradient in buckets]  # G_b = B_b: no copy
+    (first, first_gradient), rest = copied[0], copied[1:]
     peaks = [first + max(first_gradient, shard_numel), *(numel + gradient + shard_numel for numel, gradient in rest)]
     return e * max(peaks)
 
