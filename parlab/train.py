@@ -1,0 +1,154 @@
+"""One training script, launched four ways (lecture 08): a tiny ``parlab.gpt`` GPT trained with
+parlab's DDP for a few SGD steps on a deterministic stream of batches from the shipped text.
+
+    python -m parlab.train --out one.json                       one process: the reference
+    python -m parlab.train --world-size 2 --out cluster.json    a parlab.Cluster of 2 ranks
+    torchrun --standalone --nproc-per-node 2 -m parlab.train --out torchrun.json
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 --master-addr 127.0.0.1 --master-port 29500 \\
+        -m parlab.train --out nodes.json                        (and --node-rank 1 in a second shell)
+    python -m parlab.train --sbatch --nodes 2 --gpus-per-node 4 > train.sbatch   (parlab.slurm)
+
+Every way runs the same function, ``train``, on every rank of a default process group, and
+rank 0 prints (and with ``--out`` writes as JSON) the loss of the last step and a checksum of
+the weights. With the global batch B fixed, every world size N_d that divides it computes the
+gradient of the same mean loss, so all ways end with the same weights up to the rounding of
+summing the ranks' gradients in another order (``parlab.numerics``); ``--weights`` saves
+them for that comparison.
+
+Without torchrun, ``parlab.launch`` starts a Cluster of ``--world-size`` ranks (default 1).
+Under torchrun it joins torch's group instead (``parlab.runtime.launch``):
+``init_process_group(backend)`` with the default ``init_method="env://"`` reads what
+torchrun sets for each process it starts:
+
+    RANK          this process's rank among all, 0 .. WORLD_SIZE - 1
+    WORLD_SIZE    the number of processes of the job, nodes x processes per node
+    LOCAL_RANK    its index on its own node: the GPU it drives (cuda:LOCAL_RANK with nccl)
+    MASTER_ADDR   the host of rank 0, MASTER_PORT a free TCP port there
+
+Rank 0 opens a TCPStore (a small key-value server) at MASTER_ADDR:MASTER_PORT; every other
+rank connects to it and the ranks exchange their addresses through it until all WORLD_SIZE
+have arrived: that is the rendezvous. Then gloo (CPU) or nccl (GPU) opens its own
+connections between the ranks and the store is only used for coordination.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from parlab import runtime, slurm
+from parlab._checks import real_number, whole_number
+from parlab.ddp import DDP
+from parlab.gpt import GPT, CharDataset, GPTConfig
+from parlab.sampler import DistributedSampler
+
+# A GPT small enough that a few steps take well under a second on one CPU core.
+SEQUENCE, HIDDEN, HEADS, LAYERS = 16, 32, 2, 1
+
+
+def build_model(seed=0):
+    """The model every rank builds: the same GPT (V from the shipped text) from ``seed``."""
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(V=CharDataset().V, s=SEQUENCE, h=HIDDEN, a=HEADS, L=LAYERS))
+
+
+def full_batch(step, batch, seed=0):
+    """Step ``step``'s global batch: ``batch`` sequences (B, s) and their targets, the same on
+    every rank and in every run (drawn from a generator seeded with seed + step)."""
+    generator = torch.Generator().manual_seed(seed + step)
+    return CharDataset().batch(batch, SEQUENCE, generator)
+
+
+def train(steps=3, batch=8, lr=0.5, seed=0):
+    """Train on the default process group (N_d ranks); run on every rank.
+
+    Each step, rank r takes its B / N_d sequences of the global batch (``DistributedSampler``
+    without shuffling: r, r + N_d, ...), computes the mean loss on them, and DDP averages the
+    gradients: the gradient of the mean loss over all B sequences. The replicas start from
+    rank 0's weights. Returns ``{"world_size", "losses", "checksum", "weights"}``: the
+    global batch's mean loss at each step (averaged over the ranks), the checksum of the
+    final weights and the weights themselves (on the CPU)."""
+    steps = whole_number("steps", steps, "train for at least one step, e.g. 3.")
+    batch = whole_number("batch (B, the global batch in sequences)", batch, "give e.g. 8.")
+    real_number("lr (the learning rate)", lr, "give a step size such as 0.5.", above=True)
+    world_size = dist.get_world_size()
+    if batch % world_size:
+        raise ValueError(f"the global batch B = {batch} does not split into {world_size} equal shards: choose B a "
+                         f"multiple of the world size (e.g. {world_size * max(1, batch // world_size)}), or the "
+                         "ranks' mean losses would not average to the full batch's.")
+    model = build_model(seed).to(runtime.device())
+    ddp = DDP(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    shard = list(DistributedSampler(batch, shuffle=False))
+    losses = []
+    for step in range(steps):
+        tokens, targets = (t[shard].to(runtime.device()) for t in full_batch(step, batch, seed))
+        optimizer.zero_grad()
+        loss = F.cross_entropy(ddp(tokens).flatten(0, 1), targets.flatten())  # (B/N_d s, V) logits
+        loss.backward()
+        ddp.finish_gradient_synchronization()
+        optimizer.step()
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)  # equal shards: the mean of the ranks' means is the batch's mean
+        losses.append(mean_loss.item() / world_size)
+    weights = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
+    return {"world_size": world_size, "losses": losses, "checksum": checksum(weights), "weights": weights}
+
+
+def checksum(weights):
+    """The first 16 hex digits of the SHA-256 of the weights' bytes, in the state dict's
+    order: equal exactly when every weight is equal bit for bit."""
+    digest = hashlib.sha256()
+    for name, tensor in weights.items():
+        digest.update(name.encode())
+        digest.update(tensor.contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def parse_arguments(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m parlab.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8, help="B, the global batch in sequences")
+    parser.add_argument("--lr", type=float, default=0.5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--world-size", type=int, default=1, help="ranks of the Cluster when not under torchrun")
+    parser.add_argument("--out", help="write rank 0's result (losses, checksum) to this JSON file")
+    parser.add_argument("--weights", help="save rank 0's final weights to this file (torch.save)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds, for the Cluster way")
+    sbatch = parser.add_argument_group("SLURM", "print an sbatch script that runs this training (parlab.slurm)")
+    sbatch.add_argument("--sbatch", action="store_true")
+    sbatch.add_argument("--nodes", type=int, default=2)
+    sbatch.add_argument("--gpus-per-node", type=int, default=4)
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_arguments(argv)
+    options = dict(steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed)
+    if args.sbatch:
+        arguments = [f"--{name}={value}" for name, value in options.items()]
+        script = slurm.sbatch_script(args.nodes, args.gpus_per_node, arguments=arguments)
+        if args.batch % (args.nodes * args.gpus_per_node):
+            raise ValueError(f"--batch {args.batch} does not split over {args.nodes} x {args.gpus_per_node} "
+                             "processes: give a global batch that is a multiple of nodes x GPUs per node.")
+        print(script, end="")
+        return
+    result = runtime.launch(train, args.world_size, timeout=args.timeout, **options)[0]
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    summary = {key: result[key] for key in ("world_size", "losses", "checksum")}
+    print(f"world size {result['world_size']}: loss {result['losses'][-1]:.6f} after {args.steps} steps, "
+          f"weights {result['checksum']}")
+    if args.out:
+        with open(args.out, "w") as file:
+            json.dump(summary, file, indent=1)
+    if args.weights:
+        torch.save(result["weights"], args.weights)
+
+
+if __name__ == "__main__":
+    main()
