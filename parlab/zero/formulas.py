@@ -21,10 +21,10 @@ and G_b in its largest gradient:
 
 bucket b's buffer, the gradient just produced that is being added into it, and the shard's
 averaged gradient, which is allocated in the first reduce-scatter and lives to the next
-``zero_grad``. A bucket that is one gradient (G_b = B_b) takes that gradient as its buffer,
-so its term is B_b alone. Below stage 1's when B_b + G_b < (N_d - 1)/N_d padded Psi: buckets much smaller
-than the model. A single bucket for the whole model (B_0 = padded Psi) peaks at
-e (padded Psi + padded Psi / N_d), above stage 1: its buffer is a whole flat gradient.
+``zero_grad``. A bucket that is one gradient (G_b = B_b) takes that gradient as its buffer:
+G_b counts 0 there. Below stage 1's when every B_b + G_b < (N_d - 1)/N_d padded Psi: buckets
+much smaller than the model. A single bucket for the whole model (B_0 = padded Psi) peaks at
+e (padded Psi + max(G_0, padded Psi / N_d)), above stage 1: its buffer is a whole flat gradient.
 """
 
 from parlab import _checks
