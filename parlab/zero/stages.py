@@ -54,8 +54,8 @@ once (``engine.buckets.peak_bytes()``, the formula of ``parlab.zero.formulas``),
 bucket per layer of a model of several layers. With one bucket for the whole model (a model
 under 25 MiB at the default cap) stage 2's peak is above stage 1's: the bucket's buffer is a
 whole flat gradient, with each gradient beside it while it is added in, and the shard's
-gradient allocated beside it in its reduce-scatter. Its saving is then only the 4 padded Psi (N_d - 1)/N_d bytes it does not
-keep between steps.
+gradient allocated beside it in its reduce-scatter. Its saving is then only the 4 padded Psi
+(N_d - 1)/N_d bytes it does not keep between steps.
 
 Offload (ZeRO-Offload; ``offload=True``, stages 1 and 2). The optimizer's shard is a host (CPU)
 copy of this rank's fp32 parameter shard and the optimizer keeps its state there: kappa Psi / N_d
