@@ -1,6 +1,6 @@
 # Generated from solutions/compression.py by `python -m parlab.exercises build`.
 # Write your code where it raises NotImplementedError, then run `python -m parlab.grade compression`.
-# parlab-generated sha256=0fb5fef8f1a2ee2ee33f69249a09976531c7b951fd86a126933bb88f999cc00a
+# parlab-generated sha256=39866a243c0d5624a70c6a9533ac25198c995d2ed3e8672b7e82779cd9206a15
 """Exercise: gradient compression, the three ideas of lecture 05.
 
 Data-parallel ranks step with w_{t+1} = w_t - gamma (1/N) sum_i C(g_i): each of the N ranks
@@ -10,13 +10,13 @@ compresses its gradient g_i (d elements) before it travels. Three compressors to
   magnitude, a biased choice; error feedback keeps what it dropped in a residual e and adds
   it back next step, p = gamma g + e, delta = C(p), e = p - delta, so nothing is lost;
 - unbiased random-k (``rand_k``): k random positions, scaled so that E[C(x)] = x;
-- PowerSGD (``orthogonalize``, ``powersgd_step``): a rank-r approximation P Q^T of the ranks'
+- PowerSGD (``orthogonalize``, ``powersgd_step``): a rank-R approximation P Q^T of the ranks'
   mean gradient matrix from one step of power iteration, with two all-reduces of
-  (n + m) r elements in all instead of n m.
+  (n + m) R elements in all instead of n m.
 
 Communicate only with ``all_reduce_sum`` below (parlab's ring, traced: the grader counts your
-bytes). Symbols: N ranks, d elements, k the budget, gamma the learning rate, M an n x m
-gradient matrix, r the rank of the approximation.
+bytes). Symbols: N ranks, d elements, k the budget, gamma the learning rate, G an n x m
+gradient matrix, R the rank of the approximation (the PowerSGD paper's M and r).
 
 Stuck? ``parlab.hint("compression.rand_k")`` in a notebook (or ``python -m parlab.grade --hint
 compression.rand_k``) opens a hint, one level at a time. Grade your work with
@@ -53,24 +53,24 @@ def rand_k(x, k, generator):
 
 
 def orthogonalize(P):
-    """Make the r columns of P (n x r, n >= r, full rank) orthonormal, in place, by
+    """Make the R columns of P (n x R, n >= R, full rank) orthonormal, in place, by
     Gram-Schmidt: column j becomes the unit vector along column j minus its parts along the
     columns before it, so that P^T P = I and the first j columns span what they spanned.
     Returns P."""
     raise NotImplementedError("orthogonalize is not implemented yet: column by column")
 
 
-def powersgd_step(M, Q):
-    """One PowerSGD step on this rank's gradient matrix M (n x m), from Q (m x r), the same on
+def powersgd_step(G, Q):
+    """One PowerSGD step on this rank's gradient matrix G (n x m), from Q (m x R), the same on
     every rank (the last step's Q: the warm start). On every rank:
 
-        P = sum_i M_i Q               all-reduce #1 (n x r)
+        P = sum_i G_i Q               all-reduce #1 (n x R)
         P = orthogonalize(P)
-        Q = (1/N) sum_i M_i^T P       all-reduce #2 (m x r)
+        Q = (1/N) sum_i G_i^T P       all-reduce #2 (m x R)
 
     Returns (P Q^T, Q): the approximation of the ranks' mean gradient (n x m) and the new Q
     for the next step, the same on every rank. Communicate with ``all_reduce_sum`` only, on
-    P and Q: each rank then sends 2 (N - 1)/N (n + m) r 4 bytes, not the 2 (N - 1)/N n m 4
+    P and Q: each rank then sends 2 (N - 1)/N (n + m) R 4 bytes, not the 2 (N - 1)/N n m 4
     of the whole gradient.
     """
     raise NotImplementedError("powersgd_step is not implemented yet: P, orthogonalized; Q; the approximation")

@@ -7,13 +7,13 @@ compresses its gradient g_i (d elements) before it travels. Three compressors to
   magnitude, a biased choice; error feedback keeps what it dropped in a residual e and adds
   it back next step, p = gamma g + e, delta = C(p), e = p - delta, so nothing is lost;
 - unbiased random-k (``rand_k``): k random positions, scaled so that E[C(x)] = x;
-- PowerSGD (``orthogonalize``, ``powersgd_step``): a rank-r approximation P Q^T of the ranks'
+- PowerSGD (``orthogonalize``, ``powersgd_step``): a rank-R approximation P Q^T of the ranks'
   mean gradient matrix from one step of power iteration, with two all-reduces of
-  (n + m) r elements in all instead of n m.
+  (n + m) R elements in all instead of n m.
 
 Communicate only with ``all_reduce_sum`` below (parlab's ring, traced: the grader counts your
-bytes). Symbols: N ranks, d elements, k the budget, gamma the learning rate, M an n x m
-gradient matrix, r the rank of the approximation.
+bytes). Symbols: N ranks, d elements, k the budget, gamma the learning rate, G an n x m
+gradient matrix, R the rank of the approximation (the PowerSGD paper's M and r).
 
 Stuck? ``parlab.hint("compression.rand_k")`` in a notebook (or ``python -m parlab.grade --hint
 compression.rand_k``) opens a hint, one level at a time. Grade your work with
@@ -65,7 +65,7 @@ def rand_k(x, k, generator):
 
 
 def orthogonalize(P):
-    """Make the r columns of P (n x r, n >= r, full rank) orthonormal, in place, by
+    """Make the R columns of P (n x R, n >= R, full rank) orthonormal, in place, by
     Gram-Schmidt: column j becomes the unit vector along column j minus its parts along the
     columns before it, so that P^T P = I and the first j columns span what they spanned.
     Returns P."""
@@ -79,24 +79,24 @@ def orthogonalize(P):
     # END SOLUTION
 
 
-def powersgd_step(M, Q):
-    """One PowerSGD step on this rank's gradient matrix M (n x m), from Q (m x r), the same on
+def powersgd_step(G, Q):
+    """One PowerSGD step on this rank's gradient matrix G (n x m), from Q (m x R), the same on
     every rank (the last step's Q: the warm start). On every rank:
 
-        P = sum_i M_i Q               all-reduce #1 (n x r)
+        P = sum_i G_i Q               all-reduce #1 (n x R)
         P = orthogonalize(P)
-        Q = (1/N) sum_i M_i^T P       all-reduce #2 (m x r)
+        Q = (1/N) sum_i G_i^T P       all-reduce #2 (m x R)
 
     Returns (P Q^T, Q): the approximation of the ranks' mean gradient (n x m) and the new Q
     for the next step, the same on every rank. Communicate with ``all_reduce_sum`` only, on
-    P and Q: each rank then sends 2 (N - 1)/N (n + m) r 4 bytes, not the 2 (N - 1)/N n m 4
+    P and Q: each rank then sends 2 (N - 1)/N (n + m) R 4 bytes, not the 2 (N - 1)/N n m 4
     of the whole gradient.
     """
     # BEGIN SOLUTION: P, orthogonalized; Q; the approximation
     N = torch.distributed.get_world_size()
-    P = all_reduce_sum(M @ Q)
+    P = all_reduce_sum(G @ Q)
     orthogonalize(P)
-    Q = all_reduce_sum(M.T @ P) / N
+    Q = all_reduce_sum(G.T @ P) / N
     return P @ Q.T, Q
     # END SOLUTION
 
@@ -158,12 +158,12 @@ HINTS = {
         be taken out of it?
         """,
         """
-        For j = 0 .. r - 1: divide column j by its norm; then from every later column
+        For j = 0 .. R - 1: divide column j by its norm; then from every later column
         subtract its component along column j (the dot product times column j). Work in place
         on P's columns (P[:, j], P[:, j + 1:]).
         """,
         """
-        for j in range(r):
+        for j in range(R):
             column = P[:, j]; column /= column.norm()
             rest = P[:, j + 1:]
             rest -= column[:, None] * (column @ rest)[None, :]
@@ -172,19 +172,19 @@ HINTS = {
     ),
     "powersgd_step": (
         """
-        Two multiplications by M, two all-reduces, one orthogonalization in between. Which of
+        Two multiplications by G, two all-reduces, one orthogonalization in between. Which of
         P and Q needs summing, and which averaging?
         """,
         """
-        P = all_reduce_sum(M @ Q), then orthogonalize(P) (its scale does not matter, which is
-        why a sum will do). Q = all_reduce_sum(M.T @ P) / N: the mean over ranks of M_i^T P.
-        The approximation of the mean gradient is P @ Q.T. Never all-reduce M itself.
+        P = all_reduce_sum(G @ Q), then orthogonalize(P) (its scale does not matter, which is
+        why a sum will do). Q = all_reduce_sum(G.T @ P) / N: the mean over ranks of G_i^T P.
+        The approximation of the mean gradient is P @ Q.T. Never all-reduce G itself.
         """,
         """
         N = torch.distributed.get_world_size()
-        P = all_reduce_sum(M @ Q)
+        P = all_reduce_sum(G @ Q)
         orthogonalize(P)
-        Q = all_reduce_sum(M.T @ P) / N
+        Q = all_reduce_sum(G.T @ P) / N
         return P @ Q.T, Q
         """,
     ),

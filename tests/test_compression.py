@@ -192,7 +192,7 @@ def test_powersgd_finds_a_low_rank_matrix_and_orthogonalizes():
 @pytest.mark.parametrize("call, message", [
     (lambda: TopK(0)(torch.zeros(4)), "k must be a whole number of elements from 1 to d = 4"),
     (lambda: RandK(5)(torch.zeros(4)), "k must be a whole number"),
-    (lambda: QSGD(200), "pick s from 1 to 127"),
+    (lambda: QSGD(200), "pick q from 1 to 127"),
     (lambda: RandK(2, seed=-1), "seed"),
     (lambda: ErrorFeedback(lambda x: x), "ErrorFeedback wraps a compressor"),
     (lambda: ErrorFeedback(TopK(1))(torch.ones(2), gamma=0), "gamma"),

@@ -6,14 +6,14 @@ message. In training, w_{t+1} = w_t - gamma * (1/N) sum_i C(g_i): each rank comp
 gradient g_i and ``aggregate(g_i)`` returns, on every rank, the average of the N
 reconstructions, communicated as ``parlab.compression.travel`` describes (``sent_bytes(x, N)``
 is what each rank sends, equal to the trace's count). Symbols: N ranks, d elements, k the
-compressor's budget (elements kept), s levels, gamma the learning rate.
+compressor's budget (elements kept), q QSGD's levels (the paper's s), gamma the learning rate.
 
     compressor      C(x)                                            unbiased  message      travels by
     Identity        x                                               yes       4 d          all-reduce
     FP16, BF16      x rounded to 16 bits                            ~         2 d          all-reduce
     RandK(k, seed)  d/k x on k random positions (the same on all)  yes       4 k          all-reduce
     TopK(k)         x on its k largest |x_j|                        no        (4 + 8) k    all-gather
-    QSGD(s)         ||x|| sign(x_j) l_j / s, l_j rounded at random  yes       4 + d        all-gather
+    QSGD(q)         ||x|| sign(x_j) l_j / q, l_j rounded at random  yes       4 + d        all-gather
     TernGrad()      max|x| sign(x_j) b_j, b_j ~ Bernoulli(|x_j|/max) yes      4 + d        all-gather
     ScaledSign()    ||x||_1 / d sign(x)                             no        4 + d        all-gather
     SignSGD()       sign(x); the ranks step with the majority vote  no        d            all-reduce of int8
@@ -184,18 +184,19 @@ class TopK(Compressor):
 
 
 class QSGD(Compressor):
-    """QSGD with s levels: C(x)_j = ||x||_2 sign(x_j) l_j / s, where l_j is s |x_j| / ||x||_2
-    rounded down or up at random (up with the fractional part's probability), so E[C(x)] = x;
-    E||C(x) - x||^2 <= min(d / s^2, sqrt(d) / s) ||x||^2. The message: the norm (4 bytes) and
-    one signed level per element (int8, so s <= 127). Ranks draw independent roundings."""
+    """QSGD with q levels (the paper's s): C(x)_j = ||x||_2 sign(x_j) l_j / q, where l_j is
+    q |x_j| / ||x||_2 rounded down or up at random (up with the fractional part's probability),
+    so E[C(x)] = x; E||C(x) - x||^2 <= min(d / q^2, sqrt(d) / q) ||x||^2. The message: the norm
+    (4 bytes) and one signed level per element (int8, so q <= 127). Ranks draw independent
+    roundings."""
 
     all_reduced = False
     norm_order = 2
 
     def __init__(self, levels, seed=0):
-        whole_number("levels (s)", levels, "QSGD's levels travel as int8: pick s from 1 to 127.")
+        whole_number("levels (q)", levels, "QSGD's levels travel as int8: pick q from 1 to 127.")
         if levels > 127:
-            raise ValueError(f"levels (s) travel as int8: pick s from 1 to 127, got {levels}.")
+            raise ValueError(f"levels (q) travel as int8: pick q from 1 to 127, got {levels}.")
         whole_number("seed", seed, "pass a whole number, e.g. 0.", minimum=0)
         self.levels, self.seed, self.generator = levels, seed, None
 
@@ -208,7 +209,7 @@ class QSGD(Compressor):
             self.generator = torch.Generator().manual_seed(self.seed + 1_000_003 * rank)
         flat = x.reshape(-1).float()
         scale = flat.norm(p=self.norm_order).reshape(1)
-        ratio = flat.abs() / scale.clamp_min(torch.finfo(torch.float32).tiny) * self.levels  # in [0, s]
+        ratio = flat.abs() / scale.clamp_min(torch.finfo(torch.float32).tiny) * self.levels  # in [0, q]
         level = ratio.floor() + (torch.rand(ratio.shape, generator=self.generator) < ratio - ratio.floor())
         return [scale, (flat.sign() * level).to(torch.int8)], None
 
@@ -221,8 +222,8 @@ class QSGD(Compressor):
 
 
 class TernGrad(QSGD):
-    """TernGrad: C(g)_j = s sign(g_j) b_j with s = max |g_j| and b_j ~ Bernoulli(|g_j| / s):
-    values in {-s, 0, s}, unbiased, variance s ||g||_1 - ||g||_2^2. QSGD with one level and
+    """TernGrad: C(g)_j = m sign(g_j) b_j with m = max_j |g_j| (the paper's s) and b_j ~
+    Bernoulli(|g_j| / m): values in {-m, 0, m}, unbiased, variance m ||g||_1 - ||g||_2^2. QSGD with one level and
     the max-norm as its scale."""
 
     norm_order = float("inf")

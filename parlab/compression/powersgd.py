@@ -1,17 +1,18 @@
-"""PowerSGD (Vogels et al., 2019): a rank-r approximation of each gradient matrix, found by
+"""PowerSGD (Vogels et al., 2019): a rank-R approximation of each gradient matrix, found by
 one step of power iteration per training step, warm-started from the last step's Q.
 
-Each gradient tensor is viewed as a matrix M of n = shape[0] rows and m = numel / n columns
-(as torch's ``powerSGD_hook``). With r' = min(r, n, m), on every rank i:
+Each gradient tensor is viewed as a matrix G of n = shape[0] rows and m = numel / n columns
+(as torch's ``powerSGD_hook``; the paper writes M for G and r for R, letters the glossary
+gives to micro-batches and a rank's index). With R' = min(R, n, m), on every rank i:
 
-    P_i = M_i Q            (n x r')   all-reduce #1: P = sum_i P_i
-    P   = orthogonalize(P)            Gram-Schmidt on its r' columns
-    Q_i = M_i^T P          (m x r')   all-reduce #2: Q = (1/N) sum_i Q_i
-    C(M) = P Q^T           (n x m)    = P P^T mean_i M_i, the mean's projection on P's span
+    P_i = G_i Q            (n x R')   all-reduce #1: P = sum_i P_i
+    P   = orthogonalize(P)            Gram-Schmidt on its R' columns
+    Q_i = G_i^T P          (m x R')   all-reduce #2: Q = (1/N) sum_i Q_i
+    C(G) = P Q^T           (n x m)    = P P^T mean_i G_i, the mean's projection on P's span
 
-so (n + m) r' elements travel instead of n m. A tensor is sent uncompressed (with the P's, in
+so (n + m) R' elements travel instead of n m. A tensor is sent uncompressed (with the P's, in
 all-reduce #1) when it has one dimension or compression would not pay:
-(n + m) r' x ``min_compression_rate`` >= n m, torch's rule (``compression_sizes`` reports
+(n + m) R' x ``min_compression_rate`` >= n m, torch's rule (``compression_sizes`` reports
 the same element counts as torch's ``PowerSGDState.compression_stats()``). Q is kept per
 tensor and reused next step (the warm start), so over steps the power iteration converges.
 PowerSGD is biased: wrap it in ``ErrorFeedback`` (torch's hook has it on by default).
@@ -36,17 +37,17 @@ def orthogonalize(P, eps=1e-8):
 
 
 class PowerSGD:
-    """Rank-``rank`` PowerSGD. ``seed``: the first Q's random values, the same on every rank."""
+    """Rank-``rank`` (R) PowerSGD. ``seed``: the first Q's random values, the same on every rank."""
 
     def __init__(self, rank=1, seed=0, min_compression_rate=2.0):
-        whole_number("rank (r)", rank, "the approximation's rank: a whole number such as 1, 2 or 4.")
+        whole_number("rank (R)", rank, "the approximation's rank: a whole number such as 1, 2 or 4.")
         real_number("min_compression_rate", min_compression_rate, "torch's default is 2.")
         self.rank, self.min_compression_rate = rank, min_compression_rate
         self.generator = torch.Generator().manual_seed(seed)
         self.warm = {}  # key -> the Q of each compressed matrix, from the last step
 
     def plan(self, shapes):
-        """For each shape: (n, m, r') if it is compressed, None if it travels uncompressed."""
+        """For each shape: (n, m, R') if it is compressed, None if it travels uncompressed."""
         plans = []
         for shape in shapes:
             shape = tuple(shape)
@@ -102,16 +103,16 @@ class PowerSGD:
         Qs = self._warm_start(key, plans)
         # all-reduce #1: the uncompressed tensors and every P_i = M_i Q, in one buffer
         uncompressed = [piece for piece, p in zip(pieces, plans) if p is None]
-        first = reduce(torch.cat(uncompressed + [(M @ Q).reshape(-1) for M, Q in zip(matrices, Qs)]))
-        numels = [u.numel() for u in uncompressed] + [M.shape[0] * Q.shape[1] for M, Q in zip(matrices, Qs)]
+        first = reduce(torch.cat(uncompressed + [(G @ Q).reshape(-1) for G, Q in zip(matrices, Qs)]))
+        numels = [u.numel() for u in uncompressed] + [G.shape[0] * Q.shape[1] for G, Q in zip(matrices, Qs)]
         parts = list(first.split(numels))
         means = [part / N for part in parts[: len(uncompressed)]]
-        Ps = [orthogonalize(part.view(M.shape[0], -1)) for part, M in zip(parts[len(uncompressed):], matrices)]
+        Ps = [orthogonalize(part.view(G.shape[0], -1)) for part, G in zip(parts[len(uncompressed):], matrices)]
         # all-reduce #2: every Q_i = M_i^T P, averaged
         if matrices:
-            second = reduce(torch.cat([(M.T @ P).reshape(-1) for M, P in zip(matrices, Ps)])) / N
-            Qs = [q.view(M.shape[1], -1) for q, M in zip(second.split([M.shape[1] * P.shape[1]
-                                                                         for M, P in zip(matrices, Ps)]), matrices)]
+            second = reduce(torch.cat([(G.T @ P).reshape(-1) for G, P in zip(matrices, Ps)])) / N
+            Qs = [q.view(G.shape[1], -1) for q, G in zip(second.split([G.shape[1] * P.shape[1]
+                                                                         for G, P in zip(matrices, Ps)]), matrices)]
             self.warm[key] = [Q.clone() for Q in Qs]
         approximations = iter([P @ Q.T for P, Q in zip(Ps, Qs)])
         uncompressed_means = iter(means)

@@ -29,7 +29,7 @@ def lecture_compressor(kind, budget=0.01, rank=2):
     real_number("budget (k/d)", budget, "keep a fraction of the elements between 0 and 1, e.g. 0.01.", above=True)
     if budget > 1:
         raise ValueError(f"budget (k/d) is a fraction of the elements, at most 1; got {budget}.")
-    whole_number("rank (r)", rank, "PowerSGD's rank: a whole number such as 2.")
+    whole_number("rank (R)", rank, "PowerSGD's rank: a whole number such as 2.")
     makers = {
         "dense": Identity, "fp16": FP16, "top-k + EF": lambda: ErrorFeedback(TopK(budget if budget < 1 else 1.0)),
         "random-k": lambda: RandK(budget if budget < 1 else 1.0), "QSGD s=4": lambda: QSGD(4),

@@ -21,7 +21,7 @@ from parlab.numerics import max_abs_difference, ring_orders, rounding_band
 RUN_TIMEOUT_S = 10
 WORLD_SIZES = [2, 4]
 SAMPLES, SIGMAS = 4000, 5
-N_ROWS, M_COLS, R = 12, 8, 2  # M is 12 x 8, Q 8 x 2: 2 and 4 divide n r = 24 and m r = 16
+N_ROWS, M_COLS, R = 12, 8, 2  # G is 12 x 8, Q 8 x 2: 2 and 4 divide n R = 24 and m R = 16
 EPS = torch.finfo(torch.float32).eps
 
 
@@ -152,20 +152,20 @@ def powersgd_on_rank(powersgd_step, seed):
     from parlab import trace
 
     rank = dist.get_rank()
-    M = torch.randn(N_ROWS, M_COLS, generator=torch.Generator().manual_seed(seed + rank))
+    G = torch.randn(N_ROWS, M_COLS, generator=torch.Generator().manual_seed(seed + rank))
     Q = torch.randn(M_COLS, R, generator=torch.Generator().manual_seed(seed))
     with trace.span("step"):
-        approximation, new_Q = powersgd_step(M, Q.clone())
-    return M, Q, approximation, new_Q
+        approximation, new_Q = powersgd_step(G, Q.clone())
+    return G, Q, approximation, new_Q
 
 
-def reference_powersgd(Ms, Q, dtype):
-    Ms, Q = [M.to(dtype) for M in Ms], Q.to(dtype)
-    P = sum(M @ Q for M in Ms)
+def reference_powersgd(Gs, Q, dtype):
+    Gs, Q = [G.to(dtype) for G in Gs], Q.to(dtype)
+    P = sum(G @ Q for G in Gs)
     for j in range(P.shape[1]):
         P[:, j] /= P[:, j].norm()
         P[:, j + 1 :] -= P[:, j : j + 1] * (P[:, j] @ P[:, j + 1 :])[None, :]
-    new_Q = sum(M.T @ P for M in Ms) / len(Ms)
+    new_Q = sum(G.T @ P for G in Gs) / len(Gs)
     return P @ new_Q.T, new_Q
 
 
@@ -175,11 +175,11 @@ class TestPowerSGDStep:
     @pytest.mark.parametrize("cluster", WORLD_SIZES, indirect=True, ids=ranks)
     def test_approximates_the_mean_like_one_process(self, cluster, impl):
         per_rank = cluster.run(powersgd_on_rank, impl.powersgd_step, 10, timeout=RUN_TIMEOUT_S)
-        Ms, Q = [result[0] for result in per_rank], per_rank[0][1]
-        exact = reference_powersgd(Ms, Q, torch.float64)
+        Gs, Q = [result[0] for result in per_rank], per_rank[0][1]
+        exact = reference_powersgd(Gs, Q, torch.float64)
         # the yardstick: the same computation in fp32, the matrices summed in each ring order
-        in_fp32 = [reference_powersgd([Ms[i] for i in order], Q, torch.float32) for order in ring_orders(len(Ms))]
-        mean = sum(Ms) / len(Ms)
+        in_fp32 = [reference_powersgd([Gs[i] for i in order], Q, torch.float32) for order in ring_orders(len(Gs))]
+        mean = sum(Gs) / len(Gs)
         for rank, (_, _, approximation, new_Q) in enumerate(per_rank):
             for index, (name, got) in enumerate((("P Q^T", approximation), ("the new Q", new_Q))):
                 want = exact[index]
@@ -205,7 +205,7 @@ class TestPowerSGDStep:
         if any(s >= whole for s in sent):
             hint = ": at least the whole gradient's all-reduce; send P (n x r) and Q (m x r) only"
         elif sent == [2 * (N - 1) * 4 * N_ROWS * R // N] * N:
-            hint = ": that is P's all-reduce alone; Q = (1/N) sum_i M_i^T P needs the second"
+            hint = ": that is P's all-reduce alone; Q = (1/N) sum_i G_i^T P needs the second"
         elif sent == [0] * N:
             hint = ": nothing was sent; communicate with all_reduce_sum"
         assert False, (f"each rank sent {sent} bytes in a step, expected {expected} (two ring all-reduces, of P "
