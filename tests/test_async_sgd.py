@@ -107,15 +107,15 @@ def test_cyclic_parameter_server_has_staleness_w_minus_1_and_replays_exactly(clu
         assert logs[w].staleness == [tau for v, tau in zip(logs[0].workers, logs[0].staleness) if v == w]
 
 
-def quadratic_on_ranks(gamma_a, updates):
-    # f = a x^2 / 2 with a = 1: the gradient is x itself, so the server's step is x - gamma a x_{t - tau}
-    log = parameter_server.parameter_server(torch.ones(1, dtype=torch.float64), lambda w, step: w, gamma_a, updates,
+def quadratic_on_ranks(gamma_mu, updates):
+    # f = mu x^2 / 2 with mu = 1: the gradient is x itself, so the server's step is x - gamma mu x_{t - tau}
+    log = parameter_server.parameter_server(torch.ones(1, dtype=torch.float64), lambda w, step: w, gamma_mu, updates,
                                             order="cyclic")
     return log.weights.item() if dist.get_rank() == 0 else None
 
 
 def test_async_ranks_with_a_forced_delay_are_stable_just_below_the_threshold_and_not_above(cluster):
-    tau = cluster.world_size - 2  # W = N - 1 workers served in turn: tau = W - 1
+    tau = cluster.world_size - 2  # N_w = N - 1 workers served in turn: tau = N_w - 1
     threshold = theory.stability_threshold(tau)
     for factor, stable in ((0.98, True), (1.02, False)):
         ranks = cluster.run(quadratic_on_ranks, factor * threshold, 400, timeout=60)[0]

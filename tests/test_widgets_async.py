@@ -40,7 +40,7 @@ def test_plot_stability_draws_the_trajectory_and_marks_the_point():
     trajectory, region = plot_stability(2, 0.7, steps=40)
     (line,) = [line for line in trajectory.get_lines() if len(line.get_xdata()) == 41]
     assert list(line.get_ydata()) == theory.delayed_gd(0.7, 2, 40)
-    assert trajectory.get_title() == ("tau = 2, gamma a = 0.700: unstable (threshold 2 cos(tau pi / (2 tau + 1)) "
+    assert trajectory.get_title() == ("tau = 2, gamma mu = 0.700: unstable (threshold 2 cos(tau pi / (2 tau + 1)) "
                                       "= 0.6180)")
     marker = region.get_lines()[-1]
     assert (list(marker.get_xdata()), list(marker.get_ydata())) == ([2], [0.7])
@@ -64,7 +64,7 @@ def test_plot_gossip_draws_one_line_per_rank_and_the_rho_reference():
 
 
 def test_the_widgets_answer_their_controls_and_refuse_bad_values():
-    widget = stability_widget(tau=1, gamma_a=0.5)
+    widget = stability_widget(tau=1, gamma_mu=0.5)
     tau, gamma, readout, feedback, image = widget.children
     assert readout.value == "threshold 1.0000: <b>stable</b>"
     first = image.value

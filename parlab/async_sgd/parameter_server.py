@@ -2,8 +2,9 @@
 
     log = parameter_server(weights, gradient, lr=0.1, updates=100, servers=(0,))   # on every rank
 
-Server ranks hold the weights w (``servers``; with S of them, server s holds chunk s of the
-flat weights, ``chunk_bounds(d, S)``: sharded by key range). Every other rank is a worker:
+Server ranks hold the weights w (``servers``; with several, the s-th holds chunk s of the
+flat weights, ``chunk_bounds(d, len(servers))``: sharded by key range). The N_w other ranks
+are workers:
 
     worker: receive w (from every server) -> g = gradient(w, step) -> push g -> receive w ...
     server: take the next gradient from whichever worker pushed one -> w <- w - gamma g ->
@@ -15,21 +16,21 @@ is recorded for every applied gradient (``ServerLog.staleness``; the worker lear
 from the reply, ``WorkerLog.staleness``). Fast workers push more often; nobody waits for the
 straggler; the price is tau (see ``theory.stability_threshold``).
 
-Options. ``order="cyclic"`` serves the workers in turn instead of as they arrive: with W
-workers every gradient then has tau = W - 1 after the first W (a forced delay, for the
+Options. ``order="cyclic"`` serves the workers in turn instead of as they arrive: with N_w
+workers every gradient then has tau = N_w - 1 after the first N_w (a forced delay, for the
 stability experiment). ``bound=tau_max`` is bounded staleness (stale synchronous parallel):
 a worker more than tau_max pushes ahead of the slowest active worker gets its reply only
 when the slowest catches up.
 
 Stopping. Server 0 counts its applied gradients; from ``updates`` on it answers each push
-with the weights and "stop" (every push is applied, so up to W - 1 more than ``updates`` are:
+with the weights and "stop" (every push is applied, so up to N_w - 1 more than ``updates`` are:
 those already on their way). A stopped worker tells the other servers it leaves; a server
 ends when all its workers have left. Every message posted is received, so nothing is left
 in flight for the next call.
 
 Receiving "from any worker": a server posts one receive per worker and polls them
 (``messages.Inbox``). Traffic per applied gradient: d elements up and d down (plus 2 or 3 counters), all of
-it through the servers: a server moves O(W d / S) per round of W pushes, where a ring
+it through the servers: a server moves 2 N_w d / len(servers) per round of N_w pushes, where a ring
 all-reduce moves 2 (N - 1)/N d per rank whatever N is.
 """
 

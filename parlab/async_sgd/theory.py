@@ -1,13 +1,13 @@
 """The numbers lecture 06 measures against, computed without ranks.
 
 Delayed gradient descent. Asynchronous SGD applies at step t a gradient read tau steps
-earlier: w_{t+1} = w_t - gamma grad f(w_{t - tau}). On the quadratic f(x) = a x^2 / 2 that is
-the linear recurrence x_{t+1} = x_t - gamma a x_{t - tau}, stable iff
+earlier: w_{t+1} = w_t - gamma grad f(w_{t - tau}). On the quadratic f(x) = mu x^2 / 2 that is
+the linear recurrence x_{t+1} = x_t - gamma mu x_{t - tau}, stable iff
 
-    0 < gamma a < 2 cos(tau pi / (2 tau + 1))        (2, 1, 0.6180, 0.4450, 0.3473 for tau = 0..4)
+    0 < gamma mu < 2 cos(tau pi / (2 tau + 1))        (2, 1, 0.6180, 0.4450, 0.3473 for tau = 0..4)
 
-(the roots of z^{tau+1} - z^tau + gamma a = 0 stay inside the unit circle up to that bound).
-So staleness forces a smaller step: about gamma a < pi / (2 tau) for large tau.
+(the roots of z^{tau+1} - z^tau + gamma mu = 0 stay inside the unit circle up to that bound).
+So staleness forces a smaller step: about gamma mu < pi / (2 tau) for large tau.
 
 Backup workers. A synchronous step waits for its slowest worker. Run N + e workers and use
 the first N gradients: with i.i.d. exponential compute times of rate lambda, the N-th
@@ -26,24 +26,24 @@ from parlab._checks import real_number, whole_number
 
 
 def stability_threshold(tau):
-    """The largest stable gamma a of delayed gradient descent with staleness ``tau``:
+    """The largest stable gamma mu of delayed gradient descent with staleness ``tau``:
     2 cos(tau pi / (2 tau + 1)). stability_threshold(0) == 2, (1) == 1, (2) == 0.618..."""
     tau = whole_number("tau (the staleness)", tau, "count the steps between reading and applying, 0, 1, 2...",
                        minimum=0)
     return 2 * math.cos(tau * math.pi / (2 * tau + 1))
 
 
-def delayed_gd(gamma_a, tau, steps, x0=1.0):
-    """The trajectory x_0 .. x_steps of x_{t+1} = x_t - gamma_a x_{max(t - tau, 0)}: delayed
-    gradient descent on f = a x^2 / 2 whose first tau gradients read x_0 (the weights every
+def delayed_gd(gamma_mu, tau, steps, x0=1.0):
+    """The trajectory x_0 .. x_steps of x_{t+1} = x_t - gamma_mu x_{max(t - tau, 0)}: delayed
+    gradient descent on f = mu x^2 / 2 whose first tau gradients read x_0 (the weights every
     worker starts from), as a parameter server with tau + 1 workers served in turn applies
     them. Returns a list of floats."""
-    real_number("gamma a (step size times curvature)", gamma_a, "e.g. 0.5.")
+    real_number("gamma mu (step size times curvature)", gamma_mu, "e.g. 0.5.")
     tau = whole_number("tau (the staleness)", tau, "e.g. 2.", minimum=0)
     steps = whole_number("steps", steps, "e.g. 100.", minimum=0)
     xs = [float(x0)]
     for t in range(steps):
-        xs.append(xs[t] - gamma_a * xs[max(t - tau, 0)])
+        xs.append(xs[t] - gamma_mu * xs[max(t - tau, 0)])
     return xs
 
 

@@ -1,14 +1,14 @@
 """Widgets for lecture 06 (asynchronous and decentralised SGD): how staleness limits the step
 size, and how fast gossip on a graph reaches agreement.
 
-    plot_delayed_gd(tau, gamma_a, steps, ax=None)      the trajectory of delayed GD on f = a x^2/2
-    plot_stability_region(tau, gamma_a, ax=None)       the stable gamma a against tau, and the point
-    stability_widget(tau, gamma_a)                     sliders tau and gamma a over both
+    plot_delayed_gd(tau, gamma_mu, steps, ax=None)      the trajectory of delayed GD on f = mu x^2/2
+    plot_stability_region(tau, gamma_mu, ax=None)       the stable gamma mu against tau, and the point
+    stability_widget(tau, gamma_mu)                     sliders tau and gamma mu over both
     plot_gossip(topology, N, steps, axes=None)         values mixing, and the consensus distance against rho^2t
     gossip_widget(topology, N)                         a topology and N over plot_gossip
 
 The figures draw ``parlab.async_sgd.theory`` (the threshold 2 cos(tau pi / (2 tau + 1)) and the
-recurrence x_{t+1} = x_t - gamma a x_{t - tau}) and ``parlab.async_sgd.gossip`` (the mixing
+recurrence x_{t+1} = x_t - gamma mu x_{t - tau}) and ``parlab.async_sgd.gossip`` (the mixing
 matrices, rho, the consensus distance).
 """
 
@@ -21,19 +21,19 @@ FIGSIZE = (10, 3.4)
 TAU_MAX, GAMMA_A_MAX = 8, 2.2
 
 
-def verdict(tau, gamma_a):
+def verdict(tau, gamma_mu):
     """"stable" or "unstable", and the threshold, for delayed GD with staleness ``tau``."""
     threshold = theory.stability_threshold(tau)
-    return ("stable" if 0 < gamma_a < threshold else "unstable"), threshold
+    return ("stable" if 0 < gamma_mu < threshold else "unstable"), threshold
 
 
-def plot_delayed_gd(tau, gamma_a, steps=60, ax=None):
+def plot_delayed_gd(tau, gamma_mu, steps=60, ax=None):
     """x_t of delayed gradient descent from x_0 = 1 (``theory.delayed_gd``), with the verdict
     and the threshold in the title. Returns the axes."""
     import matplotlib.pyplot as plt
 
-    xs = theory.delayed_gd(gamma_a, tau, steps)
-    state, threshold = verdict(tau, gamma_a)
+    xs = theory.delayed_gd(gamma_mu, tau, steps)
+    state, threshold = verdict(tau, gamma_mu)
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 3.4), layout="constrained")
     ax.plot(range(len(xs)), xs, ".-", color="tab:green" if state == "stable" else "tab:red", lw=1, ms=3)
@@ -42,14 +42,14 @@ def plot_delayed_gd(tau, gamma_a, steps=60, ax=None):
     ax.set_ylim(-bound, bound)
     ax.set_xlabel("step t")
     ax.set_ylabel("x_t")
-    ax.set_title(f"tau = {tau}, gamma a = {gamma_a:.3f}: {state} "
+    ax.set_title(f"tau = {tau}, gamma mu = {gamma_mu:.3f}: {state} "
                  f"(threshold 2 cos(tau pi / (2 tau + 1)) = {threshold:.4f})", fontsize=10)
     return ax
 
 
-def plot_stability_region(tau=None, gamma_a=None, ax=None):
-    """The largest stable gamma a for tau = 0 .. TAU_MAX (shaded below: stable), with the
-    point (tau, gamma a) marked when given. Returns the axes."""
+def plot_stability_region(tau=None, gamma_mu=None, ax=None):
+    """The largest stable gamma mu for tau = 0 .. TAU_MAX (shaded below: stable), with the
+    point (tau, gamma mu) marked when given. Returns the axes."""
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -59,38 +59,38 @@ def plot_stability_region(tau=None, gamma_a=None, ax=None):
     ax.fill_between(taus, 0, thresholds, color="tab:green", alpha=0.2, step=None, label="stable")
     ax.plot(taus, thresholds, "o-", color="tab:green", ms=4, label="2 cos(tau pi / (2 tau + 1))")
     if tau is not None:
-        state, _ = verdict(tau, gamma_a)
-        ax.plot([tau], [gamma_a], "X", ms=10, color="tab:green" if state == "stable" else "tab:red")
+        state, _ = verdict(tau, gamma_mu)
+        ax.plot([tau], [gamma_mu], "X", ms=10, color="tab:green" if state == "stable" else "tab:red")
     ax.set_xlabel("staleness tau")
-    ax.set_ylabel("gamma a")
+    ax.set_ylabel("gamma mu")
     ax.set_ylim(0, GAMMA_A_MAX)
     ax.legend(fontsize=8)
     ax.set_title("where delayed GD is stable", fontsize=10)
     return ax
 
 
-def plot_stability(tau, gamma_a, steps=60, axes=None):
+def plot_stability(tau, gamma_mu, steps=60, axes=None):
     """The trajectory and the region side by side (``axes``: a pair, or None for a new figure)."""
     import matplotlib.pyplot as plt
 
     if axes is None:
         _, axes = plt.subplots(1, 2, figsize=FIGSIZE, layout="constrained", width_ratios=[2, 1])
-    plot_delayed_gd(tau, gamma_a, steps, axes[0])
-    plot_stability_region(tau, gamma_a, axes[1])
+    plot_delayed_gd(tau, gamma_mu, steps, axes[0])
+    plot_stability_region(tau, gamma_mu, axes[1])
     return axes
 
 
-def stability_widget(tau=2, gamma_a=0.6):
-    """Sliders for tau and gamma a over ``plot_stability``; the readout gives the threshold and
+def stability_widget(tau=2, gamma_mu=0.6):
+    """Sliders for tau and gamma mu over ``plot_stability``; the readout gives the threshold and
     the verdict. Displays a static picture of the first state and returns an ipywidgets VBox;
     without ipywidgets, warns and returns the static figure."""
     in_range("tau (the staleness)", tau, 0, TAU_MAX, f"pick a staleness from 0 to {TAU_MAX}.", whole=True)
-    in_range("gamma a (step size times curvature)", gamma_a, 0.01, GAMMA_A_MAX, f"pick from 0.01 to {GAMMA_A_MAX}.")
+    in_range("gamma mu (step size times curvature)", gamma_mu, 0.01, GAMMA_A_MAX, f"pick from 0.01 to {GAMMA_A_MAX}.")
     widgets = import_ipywidgets()
     if widgets is None:
-        return plot_stability(tau, gamma_a)[0].figure
+        return plot_stability(tau, gamma_mu)[0].figure
     tau_slider = widgets.IntSlider(tau, min=0, max=TAU_MAX, description="staleness tau", style=FIT)
-    gamma_slider = widgets.FloatSlider(gamma_a, min=0.01, max=GAMMA_A_MAX, step=0.01, description="gamma a",
+    gamma_slider = widgets.FloatSlider(gamma_mu, min=0.01, max=GAMMA_A_MAX, step=0.01, description="gamma mu",
                                        style=FIT, readout_format=".2f")
     image, readout, feedback = widgets.Image(format="png"), widgets.HTML(), Feedback()
 
@@ -102,7 +102,7 @@ def stability_widget(tau=2, gamma_a=0.6):
     for slider in (tau_slider, gamma_slider):
         slider.observe(feedback.guard(redraw, "Redrawing delayed gradient descent"), names="value")
     redraw()
-    show_static(image.value, f"delayed gradient descent at tau = {tau}, gamma a = {gamma_a}")
+    show_static(image.value, f"delayed gradient descent at tau = {tau}, gamma mu = {gamma_mu}")
     return widgets.VBox([tau_slider, gamma_slider, readout, feedback.box, image])
 
 
