@@ -1,0 +1,17 @@
+"""A strategy planner (lecture 08): for a model, a batch and a cluster, every data x tensor x
+pipeline plan with its ZeRO stage, micro-batch size and activation recompute, its memory per
+GPU and its step time, from the formulas of the earlier lectures; ranked, and each rejected
+plan with the sentence that rejects it.
+
+    inputs.py    Model, Batch, Cluster and their presets (small GPT, 7B, 70B; DGX A100 nodes)
+    planner.py   plans, best_plans, plan_memory, plan_time, Plan, Memory, StepTime
+
+    from parlab.plan import Batch, Cluster, Model, best_plans
+    best_plans(Model.llama2_70b(), Batch(B=1536, b=1), Cluster.dgx_a100(nodes=64))
+"""
+
+from parlab.plan.inputs import GIB, Batch, Cluster, Model
+from parlab.plan.planner import Memory, Plan, StepTime, best_plans, grids, plan_memory, plan_time, plans
+
+__all__ = ["GIB", "Batch", "Cluster", "Model", "Memory", "Plan", "StepTime", "best_plans", "grids", "plan_memory",
+           "plan_time", "plans"]
