@@ -44,15 +44,16 @@ from parlab.zero.formulas import stage2_peak_gradient_bytes
 class GradientBuckets:
     """Stage 2's buckets over ``parameters`` (the engine's trainable parameters, in the order of
     ``layout``); each bucket's averaged part for this rank is added into ``gradient``, this
-    rank's shard of the averaged gradient (None until the first bucket is reduced). Hooks are
-    registered on the parameters at construction. ``measure()`` is called whenever a new
-    gradient and its bucket's buffer are both alive (the engine measures its peak there)."""
+    rank's shard of the averaged gradient (None until the first bucket is reduced), reduced
+    over ``group`` (default: all ranks). Hooks are registered on the parameters at
+    construction. ``measure()`` is called whenever a new gradient and its bucket's buffer are
+    both alive (the engine measures its peak there)."""
 
-    def __init__(self, parameters, layout, bucket_cap_mb, measure):
+    def __init__(self, parameters, layout, bucket_cap_mb, measure, group=None):
         self.layout, self.measure = layout, measure
         self.dtype, self.device = parameters[0].dtype, parameters[0].device  # the gradients'
         self.gradient = None
-        self.rank = dist.get_rank()
+        self.group, self.rank = group, dist.get_rank(group)  # reduce-scattered over ``group``
         sizes = [p.numel() * p.element_size() for p in parameters]
         self.buckets = [self._bucket(sorted(indices)) for indices in assign_buckets(sizes, bucket_cap_mb * MB)]
         self.launched = 0  # buckets reduced so far in this round, always a prefix of self.buckets
@@ -97,7 +98,7 @@ class GradientBuckets:
         if bucket.buffer is None:  # no gradient arrived for any of its parameters: zeros
             bucket.buffer = torch.zeros(bucket.hi - bucket.lo, dtype=self.dtype, device=self.device)
         with trace.span("reduce-scatter gradients", stage=self.launched):
-            collectives.ring_reduce_scatter(bucket.buffer, op="avg", check=False, parts=bucket.parts)
+            collectives.ring_reduce_scatter(bucket.buffer, op="avg", check=False, group=self.group, parts=bucket.parts)
         if self.gradient is None:
             self.gradient = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
             self.measure()

@@ -87,6 +87,7 @@ def full_state_dict(engine):
     """{"model": the plain model's state_dict (tied names, frozen parameters and buffers
     included), "optimizer": the state_dict of ``optimizer_class(model.parameters())``} on
     rank 0, None on the others. Every rank must call it: the shards are all-gathered."""
+    _check_all_ranks(engine)
     return _fsdp_full_state_dict(engine) if _is_fsdp(engine) else _zero_full_state_dict(engine)
 
 
@@ -94,6 +95,7 @@ def load_full_state_dict(engine, state_dict):
     """Load what ``full_state_dict`` returned (or a plain model's and optimizer's state dicts
     in that format). Every rank passes the dict (e.g. each reads the same file) and copies
     its own shards out of it, without communication."""
+    _check_all_ranks(engine)
     if _is_fsdp(engine):
         _fsdp_load_full_state_dict(engine, state_dict)
     else:
@@ -105,6 +107,7 @@ def sharded_state_dict(engine):
     whole (frozen parameters, buffers), "optimizer": its inner optimizer's state_dict (over
     the shards), "layout": what the shards are (engine, stage or strategy, world size, rank,
     shapes; for FSDP per unit its parameter names, padded numel and shard bounds)}."""
+    _check_all_ranks(engine)
     if _is_fsdp(engine):
         model = {"shards": {unit.name: unit.shard.detach().clone() for unit in engine.units},
                  "buffers": {name: b.detach().clone() for name, b in engine.module.named_buffers()}}
@@ -118,6 +121,7 @@ def load_sharded_state_dict(engine, state_dict):
     """Load this rank's ``sharded_state_dict``, written by an engine of the same layout; the
     full parameters are made from the loaded shards (ZeroDP: all-gathered now; FSDP: by the
     next forward)."""
+    _check_all_ranks(engine)
     if state_dict["layout"] != _layout(engine):
         same = "world size, strategy and units" if _is_fsdp(engine) else "stage, world size and model"
         raise ValueError(
@@ -266,3 +270,10 @@ def _layout(engine):
 
 def _rank_file(directory, rank):
     return os.path.join(directory, f"rank{rank}.pt")
+
+
+def _check_all_ranks(engine):
+    # The gathers and files here are over all ranks; an engine on a subgroup would mix groups.
+    if getattr(engine, "group", None) is not None:
+        raise ValueError("checkpoints are made over all ranks: this ZeroDP works on a process group (group=...); "
+                         "save its full_parameters() yourself, or build it without group to checkpoint it.")

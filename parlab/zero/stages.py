@@ -78,8 +78,8 @@ start equal. Checkpoints (full and sharded state dicts, files): ``parlab.zero.ch
 
 import torch
 
-from parlab import _checks, p2p, trace
-from parlab.flat import FlatLayout, all_gather, reduce_scatter
+from parlab import _checks, collectives, p2p, trace
+from parlab.flat import FlatLayout
 from parlab.memory import measure_model_state
 from parlab.zero.buckets import GradientBuckets
 
@@ -87,7 +87,8 @@ STAGES = (0, 1, 2)
 
 
 class ZeroDP(torch.nn.Module):
-    """ZeRO stage ``stage`` (0, 1 or 2; table above) over the default process group.
+    """ZeRO stage ``stage`` (0, 1 or 2; table above) over the N_d ranks of ``group`` (a process
+group from ``dist.new_group``, e.g. the data-parallel axis of a grid; default: all ranks).
 
     ``model``: the same module built on every rank; ``optimizer_class``: a torch optimizer
     class (not an instance), built over the shard with ``**optimizer_kwargs``. The trainable
@@ -97,10 +98,13 @@ class ZeroDP(torch.nn.Module):
     (stage 2 only, default 25 MiB): the largest bucket of gradients reduce-scattered together
     during backward. ``offload=True`` (stages 1, 2; ZeRO-Offload): the optimizer's shard and
     state live in host memory (section "Offload" above). Wrap a model once: the engine's
-    gradient hooks stay on its parameters (at stage 2 they reduce-scatter).
+    gradient hooks stay on its parameters (at stage 2 they reduce-scatter). With ``group``,
+    only its members construct and call the engine; every collective (the first broadcast,
+    reduce-scatters, all-gathers) stays inside it, rank r being the place in the group.
     """
 
-    def __init__(self, model, optimizer_class, stage=2, bucket_cap_mb=None, offload=False, **optimizer_kwargs):
+    def __init__(self, model, optimizer_class, stage=2, bucket_cap_mb=None, offload=False, group=None,
+                 **optimizer_kwargs):
         super().__init__()
         if stage not in STAGES:
             raise ValueError(
@@ -126,12 +130,12 @@ class ZeroDP(torch.nn.Module):
         if len({(p.dtype, p.device) for p in self.trainable}) > 1 or not self.trainable[0].is_floating_point():
             raise ValueError("the trainable parameters must share one floating dtype and device; "
                              "call model.float() first.")
-        self.rank, self.world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        self.group, self.rank, self.world_size = group, *_place_in(group)
         self.layout = FlatLayout([p.shape for p in self.trainable], self.world_size)
 
         self.flat_param = self.layout.flatten([p.detach() for p in self.trainable])
         for tensor in [self.flat_param, *self.unsharded_tensors().values()]:
-            p2p.broadcast(tensor, src=0)  # the replicas start from rank 0's values
+            p2p.broadcast(tensor, src=_global_rank(group, 0), group=group)  # the replicas start from rank 0's values
         with torch.no_grad():
             for p, view in zip(self.trainable, self.layout.views(self.flat_param)):
                 p.data = view  # the module now computes with the flat buffer
@@ -145,7 +149,7 @@ class ZeroDP(torch.nn.Module):
         self.optimizer = optimizer_class([self.shard], **optimizer_kwargs)
         self.flat_grad, self.buckets, self.peak_gradient_bytes = None, None, 0
         if stage == 2:
-            self.buckets = GradientBuckets(self.trainable, self.layout, bucket_cap_mb, self._measure_gradients)
+            self.buckets = GradientBuckets(self.trainable, self.layout, bucket_cap_mb, self._measure_gradients, group)
         else:
             self._attach_gradient_buffer()
             for p in self.trainable:
@@ -176,10 +180,11 @@ class ZeroDP(torch.nn.Module):
         else:
             self._check_gradients()
             with trace.span("reduce-scatter gradients"):
-                averaged = reduce_scatter(self.flat_grad, self.layout, self.rank)
+                collectives.ring_reduce_scatter(self.flat_grad, op="avg", check=False, group=self.group)
+                averaged = self.layout.shard(self.flat_grad, self.rank)
         if self.stage == 0:
             with trace.span("all-gather gradients"):
-                self.shard.grad = all_gather(self.flat_grad, self.layout)
+                self.shard.grad = collectives.ring_all_gather(self.flat_grad, check=False, group=self.group)
         elif self.offload:
             with trace.span("gradients to host"):
                 self.shard.grad = averaged.to("cpu", copy=True)
@@ -197,7 +202,7 @@ class ZeroDP(torch.nn.Module):
             self.offload_bytes["parameters to device"] = self.shard.nbytes
         if self.stage > 0:
             with trace.span("all-gather parameters"):
-                all_gather(self.flat_param, self.layout)
+                collectives.ring_all_gather(self.flat_param, check=False, group=self.group)
 
     def zero_grad(self):
         """Zero the gradients for the next step: stages 0, 1 zero the flat gradient buffer in
@@ -262,3 +267,16 @@ class ZeroDP(torch.nn.Module):
         """Frozen parameters and buffers by name: whole on every rank."""
         frozen = {name: p for name, p in self.module.named_parameters() if not p.requires_grad}
         return {**frozen, **dict(self.module.named_buffers())}
+
+
+def _place_in(group):
+    """(r, N_d): this rank's place in ``group`` and its size; a ValueError for a non-member."""
+    rank = torch.distributed.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"global rank {torch.distributed.get_rank()} is not in the group it passed: build ZeroDP "
+                         "only on the group's members (each rank passes the group it belongs to).")
+    return rank, torch.distributed.get_world_size(group)
+
+
+def _global_rank(group, rank):
+    return rank if group is None else torch.distributed.get_global_rank(group, rank)
