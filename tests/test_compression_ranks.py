@@ -248,3 +248,28 @@ def test_signsgd_majority_vote_stalls_where_error_feedback_converges(cluster4):
     # ranks' mean residual of the optimum, twice over (the residual, and the lag it causes)
     assert (with_ef - optimum).norm() <= 2 * residual + gamma
     assert (with_ef - optimum).norm() < (vote - optimum).norm() / 5
+
+
+def biased_compressors_in_torchs_ddp():
+    """torch's DDP with parlab's biased compressors as its hook: parameters after 4 steps and
+    the bytes this rank sent in the last step (the hook's messages are parlab's, traced)."""
+    out = {}
+    for name, compressor in (("top-k + EF", ErrorFeedback(TopK(0.1))), ("PowerSGD + EF", ErrorFeedback(PowerSGD(1)))):
+        with trace.span(name):
+            out[name] = train(4, engine="torch", hook=torch_hook(compressor))
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_parlabs_compressors_drive_torchs_ddp_and_keep_the_replicas_equal(world_size, request):
+    timeline = cluster_of(world_size, request).trace(biased_compressors_in_torchs_ddp)
+    first = timeline.results[0]
+    for rank, results in enumerate(timeline.results):
+        for name, parameters in results.items():
+            # every rank steps with the same aggregate, bit for bit: the replicas stay equal
+            assert all(map(torch.equal, parameters, first[name])), (name, rank)
+    # the MLP 16-16-4 (340 parameters, one bucket): top-k keeps 34 of them, sent by all-gather
+    N = world_size
+    assert timeline.window("top-k + EF").bytes_sent() == [(N - 1) * 34 * (4 + 8) * 4] * N  # 4 steps
+    assert min(timeline.window("PowerSGD + EF").bytes_sent()) > 0
