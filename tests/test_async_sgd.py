@@ -11,8 +11,9 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from torch.distributed.optim import PostLocalSGDOptimizer
 
 import parlab
-from parlab import numerics
+from parlab import numerics, trace
 from parlab.async_sgd import backup, gossip, local_sgd, parameter_server, theory
+from parlab.trace import COMM
 
 D = 5  # weights of the least-squares problems below
 STRAGGLING = parlab.Devices(straggler=parlab.Straggler(factor=3, every=4))
@@ -74,6 +75,27 @@ def test_gossip_steps_on_ranks_equal_one_process_mixing_exactly(cluster, topolog
     # the traffic: one message of D values to each neighbour per step, whatever N is
     per_step = min(2, N - 1) if topology == "ring" else 1  # at N = 2 both ring neighbours are one rank
     assert timeline.bytes_sent() == [steps * per_step * D * 8] * N
+
+
+def gossip_with_a_marked_gradient():
+    x = initial_weights() * (dist.get_rank() + 1)
+
+    def gradient(v):
+        with trace.span("gradient"):
+            return least_squares_gradient(v, dist.get_rank(), 0)
+
+    return gossip.gossip_step(x, gossip.ring(dist.get_world_size()), gradient, 0.1)
+
+
+def test_a_gossip_step_starts_its_exchanges_before_the_gradient(cluster4):
+    # The overlap is structural: every send and receive is posted before the gradient span
+    # opens and waited for after it closes (what a blocking exchange first would not do).
+    timeline = cluster4.trace(gossip_with_a_marked_gradient, timeout=60)
+    for rank in range(4):
+        (span,) = timeline.select(rank=rank, name="gradient")
+        exchanges = [ev for ev in timeline.select(rank=rank, kind=COMM) if ev.name in ("isend", "irecv")]
+        assert len(exchanges) == 4
+        assert all(ev.start <= span.start and ev.end >= span.end for ev in exchanges), rank
 
 
 # --- the parameter server -----------------------------------------------------------------
