@@ -108,7 +108,8 @@ def test_zero_2_and_3_communicate_every_micro_batch(zero, collectives, hidden):
 def test_recompute_adds_a_forward_and_its_all_reduces():
     off = plan_time(SEVEN_B, Batch(512), NODE, Plan(4, 2, 1, zero=1, b=1, M=128, recompute=False))
     on = plan_time(SEVEN_B, Batch(512), NODE, Plan(4, 2, 1, zero=1, b=1, M=128, recompute=True))
-    assert on.compute == pytest.approx(off.compute * 8 / 6, rel=1e-12) and on.tensor == pytest.approx(off.tensor * 6 / 4, rel=1e-12)
+    assert on.compute == pytest.approx(off.compute * 8 / 6, rel=1e-12)
+    assert on.tensor == pytest.approx(off.tensor * 6 / 4, rel=1e-12)
 
 
 # --- enumeration ----------------------------------------------------------------------------

@@ -80,14 +80,16 @@ class Model:
 @dataclass(frozen=True)
 class Batch:
     """``B`` samples per optimizer step over all ranks, in micro-batches of ``b`` samples: one
-    size, or a tuple of sizes for the planner to try. Each replica runs M = B / (N_d b)
-    micro-batches, so M is not free once N_d and b are chosen."""
+    size, or a tuple of sizes for the planner to try (by default those of 1, 2, 4, 8 up to B).
+    Each replica runs M = B / (N_d b) micro-batches, so M is not free once N_d and b are chosen."""
 
     B: int
-    b: int | tuple = (1, 2, 4, 8)
+    b: int | tuple | None = None
 
     def __post_init__(self):
         whole_number("B (the global batch)", self.B, "give the samples of one optimizer step, e.g. B=512.")
+        if self.b is None:
+            object.__setattr__(self, "b", tuple(b for b in (1, 2, 4, 8) if b <= self.B))
         sizes = (self.b,) if isinstance(self.b, numbers.Integral) else self.b
         if not isinstance(sizes, tuple) or not sizes:
             raise ValueError(f"b must be a micro-batch size or a tuple of them, got {self.b!r}: "

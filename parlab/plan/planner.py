@@ -116,9 +116,9 @@ class Plan:
 
 def plans(model, batch, cluster, precision=MIXED_ADAM, efficiency=0.5, sequence_parallel=True, max_bubble=0.5,
           tensor_across_nodes=False, zero_stages=STAGES):
-    """Every plan over N_d x t x K = G, each ZeRO stage of ``zero_stages``, each micro-batch size of ``batch``
-    and recompute off/on: the accepted ones first, fastest first (then least memory), then
-    the rejected ones in the order they were enumerated. A plan is rejected when it cannot be
+    """Every plan over N_d x t x K = G, each ZeRO stage of ``zero_stages``, each micro-batch
+    size of ``batch`` and recompute off/on: the accepted ones first, fastest first (then least
+    memory), then the rejected ones in the order they were enumerated. A plan is rejected when it cannot be
     built (t does not divide a, K does not divide L, B does not split, M < K), when its
     tensor group spans nodes (unless ``tensor_across_nodes``), when it does not fit in the
     GPU's memory, or when its bubble is above ``max_bubble``. ``efficiency``: the share of
