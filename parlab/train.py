@@ -15,10 +15,11 @@ gradient of the same mean loss, so all ways end with the same weights up to the 
 summing the ranks' gradients in another order (``parlab.numerics``); ``--weights`` saves
 them for that comparison.
 
-Without torchrun, ``parlab.launch`` starts a Cluster of ``--world-size`` ranks (default 1).
-Under torchrun it joins torch's group instead (``parlab.runtime.launch``):
-``init_process_group(backend)`` with the default ``init_method="env://"`` reads what
-torchrun sets for each process it starts:
+``parlab.launch`` runs it. With ``--world-size N`` (N > 1) and no torchrun it starts a Cluster
+of N ranks. Under torchrun it joins torch's group instead (``parlab.runtime.launch``), and a
+plain process sets what torchrun would set for a job of one (``become_a_job_of_one``) and
+joins the same way: ``init_process_group(backend)`` with the default ``init_method="env://"``
+reads what torchrun sets for each process it starts:
 
     RANK          this process's rank among all, 0 .. WORLD_SIZE - 1
     WORLD_SIZE    the number of processes of the job, nodes x processes per node
@@ -35,6 +36,7 @@ import argparse
 import hashlib
 import json
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -44,6 +46,7 @@ from parlab import runtime, slurm
 from parlab._checks import real_number, whole_number
 from parlab.ddp import DDP
 from parlab.gpt import GPT, CharDataset, GPTConfig
+from parlab.runtime.launch import under_torchrun
 from parlab.sampler import DistributedSampler
 
 # A GPT small enough that a few steps take well under a second on one CPU core.
@@ -109,6 +112,16 @@ def checksum(weights):
     return digest.hexdigest()[:16]
 
 
+def become_a_job_of_one():
+    """Set what torchrun would set for a job of one process (rank 0 of 1, its store on a free
+    port of this machine): the plain process then joins its group by the env:// rendezvous
+    as torchrun's processes do, in this very process."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
 def parse_arguments(argv=None):
     parser = argparse.ArgumentParser(prog="python -m parlab.train", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
@@ -137,6 +150,8 @@ def main(argv=None):
                              "processes: give a global batch that is a multiple of nodes x GPUs per node.")
         print(script, end="")
         return
+    if args.world_size == 1 and not under_torchrun():
+        become_a_job_of_one()
     result = runtime.launch(train, args.world_size, timeout=args.timeout, **options)[0]
     if int(os.environ.get("RANK", 0)) != 0:
         return

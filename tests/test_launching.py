@@ -1,0 +1,229 @@
+"""parlab.train launched for real: by torchrun on one machine (2 processes, gloo), by two
+torchrun "nodes" on localhost, in a parlab.Cluster and as one plain process, each equal to one
+process trained on the full batch (within parlab.numerics' band: the ranks sum their shards'
+gradients in another order); and parlab.slurm's sbatch script, parsed by bash and run with
+stand-ins for srun, scontrol and torchrun. Every subprocess has a deadline and is killed, with
+its children, if it misses it or fails."""
+
+import functools
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from parlab import slurm, train
+from parlab.numerics import assert_equivalent, backward_in_shards, ring_orders
+from parlab.runtime import RankError
+
+STEPS, BATCH, LR = 2, 8, 0.5
+OPTIONS = ["--steps", str(STEPS), "--batch", str(BATCH), "--lr", str(LR)]
+# torchrun beside this interpreter first (the venv's), then wherever PATH finds it.
+SEARCH_PATH = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+TORCHRUN = shutil.which("torchrun", path=SEARCH_PATH)
+needs_torchrun = pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not on PATH")
+DEADLINE = 120  # seconds for a launch; a hang fails the test instead of the session
+
+
+def loss_of(model, tokens, targets):
+    return model.loss(tokens, targets)
+
+
+@functools.cache
+def one_process(world_size=1, order=None):
+    """(weights, losses) of SGD in one process. world_size 1: the full batch's gradient, the
+    reference. Otherwise the ranks' arithmetic (the yardstick's runs): each rank's shard's
+    gradient, summed in ``order`` and divided by world_size; the loss likewise."""
+    model = train.build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        tokens, targets = train.full_batch(step, BATCH)
+        shards = [(tokens[r::world_size], targets[r::world_size]) for r in range(world_size)]  # DistributedSampler's
+        backward_in_shards(functools.partial(loss_of, model), model.parameters(), shards, order)
+        with torch.no_grad():
+            losses.append(sum(loss_of(model, *shards[r]) for r in order or [0]) / world_size)
+        optimizer.step()
+    return dict(model.state_dict()), torch.tensor(losses)
+
+
+def assert_like_one_process(weights, losses, world_size, label):
+    """Weights and losses equal the full-batch reference's within the rounding band of
+    world_size ranks (for one rank: only the floor, the kernels may round differently)."""
+    decomposed = [one_process(world_size, tuple(order)) for order in ring_orders(world_size)] if world_size > 1 else []
+    reference = one_process()
+    assert_equivalent(weights, reference[0], [d[0] for d in decomposed], f"{label}: weights")
+    assert_equivalent(torch.tensor(losses), reference[1], [d[1] for d in decomposed], f"{label}: losses")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def descendants(pid):
+    """The processes below ``pid`` (read from /proc; none where there is no /proc). torchrun
+    starts its workers in sessions of their own, so killing its process group misses them."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def run_together(commands, directory, deadline=DEADLINE):
+    """Run ``commands`` at the same time in ``directory``; return their outputs once all have
+    exited 0. A command that fails or is still running at the deadline fails the test, and
+    every process started here is killed first, children included."""
+    logs = [directory / f"command{i}.log" for i in range(len(commands))]
+    processes = []
+    for command, log in zip(commands, logs):
+        with open(log, "w") as output:
+            processes.append(subprocess.Popen(command, cwd=directory, stdout=output, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+    end = time.monotonic() + deadline
+    try:
+        while any(p.poll() is None for p in processes) and time.monotonic() < end:
+            if any(p.poll() not in (None, 0) for p in processes):
+                break  # one failed: the others may wait for it forever
+            time.sleep(0.1)
+        codes = [p.poll() for p in processes]
+    finally:
+        for process in processes:
+            for pid in [*descendants(process.pid), process.pid] if process.poll() is None else []:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            process.wait()
+    outputs = [log.read_text() for log in logs]
+    if codes != [0] * len(commands):
+        report = "\n".join(f"$ {' '.join(c)}\n(exit {code})\n{out[-3000:]}" for c, code, out in
+                           zip(commands, codes, outputs))
+        pytest.fail(f"exit codes {codes} (None: still running after {deadline} s, killed)\n{report}")
+    return outputs
+
+
+def written_result(directory, name):
+    summary = json.loads((directory / f"{name}.json").read_text())
+    weights = torch.load(directory / f"{name}.pt")
+    assert summary["checksum"] == train.checksum(weights)
+    return summary, weights
+
+
+@needs_torchrun
+@pytest.mark.timeout(DEADLINE + 30)
+def test_torchrun_on_one_machine_trains_like_one_process(tmp_path):
+    command = [TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "parlab.train", *OPTIONS,
+               "--out", "run.json", "--weights", "run.pt"]
+    (output,) = run_together([command], tmp_path)
+    summary, weights = written_result(tmp_path, "run")
+    assert summary["world_size"] == 2 and f"weights {summary['checksum']}" in output
+    assert_like_one_process(weights, summary["losses"], 2, "torchrun --standalone --nproc-per-node 2")
+
+
+@needs_torchrun
+@pytest.mark.timeout(DEADLINE + 30)
+def test_two_torchrun_nodes_on_localhost_train_like_one_process(tmp_path):
+    port = str(free_port())
+    commands = [[TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
+                 "--master-addr", "127.0.0.1", "--master-port", port, "-m", "parlab.train", *OPTIONS,
+                 "--out", "run.json", "--weights", "run.pt"] for node in (0, 1)]
+    run_together(commands, tmp_path)  # both in one directory: only rank 0 (on node 0) writes
+    summary, weights = written_result(tmp_path, "run")
+    assert summary["world_size"] == 2
+    assert_like_one_process(weights, summary["losses"], 2, "two torchrun nodes")
+
+
+@pytest.mark.timeout(DEADLINE + 30)
+def test_one_plain_process_is_the_reference(tmp_path):
+    run_together([[sys.executable, "-m", "parlab.train", *OPTIONS, "--out", "run.json", "--weights", "run.pt"]],
+                 tmp_path)
+    summary, weights = written_result(tmp_path, "run")
+    assert summary["world_size"] == 1
+    assert_like_one_process(weights, summary["losses"], 1, "python -m parlab.train")
+
+
+@pytest.mark.timeout(90)
+def test_the_cluster_way_trains_like_one_process(cluster2):
+    results = cluster2.run(train.train, steps=STEPS, batch=BATCH, lr=LR)
+    # DDP gives every rank the same averaged gradient: the replicas are equal bit for bit.
+    assert results[0]["checksum"] == results[1]["checksum"] == train.checksum(results[1]["weights"])
+    assert results[0]["losses"] == results[1]["losses"]
+    assert_like_one_process(results[0]["weights"], results[0]["losses"], 2, "parlab.Cluster(2)")
+    with pytest.raises(RankError, match="does not split into 2 equal shards"):
+        cluster2.run(train.train, batch=7)
+
+
+def test_the_sbatch_script_parses_and_says_how_to_launch(tmp_path):
+    text = slurm.sbatch_script(nodes=2, gpus_per_node=4, arguments=["--steps=3", "a b"])
+    script = tmp_path / "train.sbatch"
+    script.write_text(text)
+    subprocess.run(["bash", "-n", str(script)], check=True, timeout=30)
+    assert text.startswith("#!/bin/bash\n") and "#SBATCH --nodes=2\n" in text and "#SBATCH --gpus-per-node=4\n" in text
+    assert "#SBATCH --ntasks-per-node=1\n" in text  # one torchrun per node
+    assert 'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n' in text
+    assert "srun bash -c 'torchrun --nnodes \"$SLURM_NNODES\" --node-rank \"$SLURM_NODEID\" --nproc-per-node 4" in text
+    for variable in ("SLURM_JOB_NODELIST", "SLURM_NNODES", "SLURM_NODEID", "MASTER_ADDR", "MASTER_PORT",
+                     "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        assert f"#   {variable} " in text, f"no comment line says what {variable} means"
+
+
+def test_the_sbatch_script_runs_one_torchrun_per_node(tmp_path):
+    """With stand-ins: scontrol lists two hosts, srun runs its command once per node with
+    SLURM_NODEID set (as SLURM does), torchrun prints what it was given. Each node's torchrun
+    gets its own --node-rank, the first host as MASTER_ADDR and one free port."""
+    stand_ins = tmp_path / "bin"
+    stand_ins.mkdir()
+    programs = {
+        "scontrol": 'printf "node07\\nnode08\\n"',
+        "srun": 'for node in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$node "$@"; done',
+        "torchrun": 'printf "%s|" "$MASTER_ADDR" "$MASTER_PORT" "$@"; echo',  # | between its words
+    }
+    for name, body in programs.items():
+        (stand_ins / name).write_text(f"#!/bin/bash\n{body}\n")
+        (stand_ins / name).chmod(0o755)
+    script = tmp_path / "train.sbatch"
+    script.write_text(slurm.sbatch_script(nodes=2, gpus_per_node=3, arguments=["--steps=3", "a b"]))
+    environment = dict(os.environ, PATH=os.pathsep.join([str(stand_ins), SEARCH_PATH]),
+                       SLURM_JOB_NODELIST="node[07-08]", SLURM_NNODES="2")
+    lines = subprocess.run(["bash", str(script)], env=environment, capture_output=True, text=True, timeout=60,
+                           check=True).stdout.splitlines()
+    assert len(lines) == 2
+    ports = set()
+    for node, line in enumerate(lines):
+        address, port, *arguments = line.split("|")
+        assert address == "node07" and port.isdigit()
+        ports.add(port)
+        assert arguments == ["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "3", "--master-addr",
+                             "node07", "--master-port", port, "-m", "parlab.train", "--steps=3", "a b", ""]
+    assert len(ports) == 1
+
+
+def test_learner_mistakes_are_refused_with_a_sentence():
+    with pytest.raises(ValueError, match="at least one node"):
+        slurm.sbatch_script(nodes=0, gpus_per_node=4)
+    with pytest.raises(ValueError, match="gpus_per_node"):
+        slurm.sbatch_script(nodes=2, gpus_per_node=True)
+    with pytest.raises(ValueError, match="list of words"):
+        slurm.sbatch_script(nodes=2, gpus_per_node=4, arguments="--steps 3")
+    with pytest.raises(ValueError, match="job_name must be a word without spaces"):
+        slurm.sbatch_script(nodes=2, gpus_per_node=4, job_name="my job")
+    with pytest.raises(ValueError, match="multiple of nodes x GPUs per node"):
+        train.main(["--sbatch", "--nodes", "2", "--gpus-per-node", "3", "--batch", "8"])
