@@ -5,6 +5,7 @@ plan with the sentence that rejects it.
 
     inputs.py    Model, Batch, Cluster and their presets (small GPT, 7B, 70B; DGX A100 nodes)
     planner.py   plans, best_plans, plan_memory, plan_time, Plan, Memory, StepTime
+    table.py     plan_table (a list of dicts) and format_table (text)
 
     from parlab.plan import Batch, Cluster, Model, best_plans
     best_plans(Model.llama2_70b(), Batch(B=1536, b=1), Cluster.dgx_a100(nodes=64))
@@ -12,6 +13,7 @@ plan with the sentence that rejects it.
 
 from parlab.plan.inputs import GIB, Batch, Cluster, Model
 from parlab.plan.planner import Memory, Plan, StepTime, best_plans, grids, plan_memory, plan_time, plans
+from parlab.plan.table import format_table, plan_table
 
-__all__ = ["GIB", "Batch", "Cluster", "Model", "Memory", "Plan", "StepTime", "best_plans", "grids", "plan_memory",
-           "plan_time", "plans"]
+__all__ = ["GIB", "Batch", "Cluster", "Model", "Memory", "Plan", "StepTime", "best_plans", "format_table", "grids",
+           "plan_memory", "plan_table", "plan_time", "plans"]

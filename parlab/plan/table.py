@@ -1,0 +1,49 @@
+"""The planner's answer as a table: plain rows (a list of dicts, one per plan) and the same rows
+as text, so a notebook, a test or a terminal reads them without pandas.
+
+    rows = plan_table(plans(model, batch, cluster), n=5)
+    print(format_table(rows))
+"""
+
+from parlab._checks import whole_number
+from parlab.plan.inputs import GIB
+
+COLUMNS = ("N_d", "t", "K", "ZeRO", "b", "M", "recompute", "GiB", "step (s)", "compute", "tensor", "pipeline",
+           "bubble", "data", "verdict")
+
+
+def plan_table(every, n=10, rejected=0):
+    """Rows for the first ``n`` accepted plans of ``every`` (as ``plans`` ranks them) and the
+    first ``rejected`` rejected ones: the plan's degrees, its memory per GPU in GiB, its step
+    time and each term of it in seconds (None where the plan cannot be built), and its verdict:
+    "accepted" or its reasons."""
+    whole_number("n", n, "give how many accepted plans to show, e.g. n=10.", minimum=0)
+    whole_number("rejected", rejected, "give how many rejected plans to show, e.g. rejected=3.", minimum=0)
+    shown = [p for p in every if not p.rejected][:n] + [p for p in every if p.rejected][:rejected]
+    return [_row(p) for p in shown]
+
+
+def format_table(rows):
+    """``rows`` (from ``plan_table``) as fixed-width text, one line per plan under a header;
+    the verdict, last, keeps its whole sentence."""
+    cells = [[_cell(row[column]) for column in COLUMNS] for row in rows]
+    widths = [max([len(column)] + [len(line[i]) for line in cells]) for i, column in enumerate(COLUMNS[:-1])]
+    lines = [[*COLUMNS]] + cells
+    return "\n".join("  ".join([*(c.rjust(w) for c, w in zip(line, widths)), line[-1]]) for line in lines)
+
+
+def _row(plan):
+    row = {"N_d": plan.N_d, "t": plan.t, "K": plan.K, "ZeRO": plan.zero, "b": plan.b, "M": plan.M,
+           "recompute": "on" if plan.recompute else "off",
+           "GiB": None if plan.memory is None else plan.memory.total / GIB,
+           "step (s)": None if plan.time is None else plan.time.total}
+    for term in ("compute", "tensor", "pipeline", "bubble", "data"):
+        row[term] = None if plan.time is None else getattr(plan.time, term)
+    row["verdict"] = " ".join(plan.reasons) or "accepted"
+    return row
+
+
+def _cell(value):
+    if value is None:
+        return "-"
+    return f"{value:.3g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,94 @@
+"""The planner's widget (lecture 08): the fastest plans for a model on a cluster, as a chart of
+memory per GPU against step time and as a table.
+
+    plot_plans(every, cluster, n)        the n fastest accepted plans, the GPU's memory as a line
+    plan_widget(model, nodes, ...)       model, batch, nodes, GPU memory and link speeds as controls
+
+The numbers are ``parlab.plan``'s; this module only draws them. The cluster is built from the
+controls with ``Cluster.dgx_a100``'s peak FLOP/s and latencies; memory and bandwidths move.
+"""
+
+from parlab.plan import GIB, Batch, Cluster, Model, format_table, plan_table, plans
+from parlab.runtime import Link
+from parlab.widgets._common import FIT, Feedback, import_ipywidgets, in_range, log_slider, png, show_static
+
+MODELS = {"small GPT": Model.small_gpt, "7B": Model.llama2_7b, "70B": Model.llama2_70b}
+NODES = (1, 2, 4, 8, 16, 32, 64)
+FIGSIZE = (7, 4)
+A100 = Cluster.dgx_a100()
+
+
+def plot_plans(every, cluster, n=10, ax=None):
+    """The ``n`` fastest accepted plans of ``every`` (``parlab.plan.plans``' list) as points:
+    step time (s) across, memory per GPU (GiB) up, each labelled N_d x t x K and its ZeRO
+    stage, the fastest as a star; a line at the GPU's memory. With no accepted plan, says
+    how many were rejected and the first reason. Returns the axes."""
+    import matplotlib.pyplot as plt
+
+    ax = ax or plt.figure(figsize=FIGSIZE).subplots()
+    accepted = [p for p in every if not p.rejected][:n]
+    ax.axhline(cluster.memory / GIB, color="grey", linestyle="--", label=f"GPU memory, {cluster.memory / GIB:g} GiB")
+    for rank, plan in enumerate(accepted):
+        ax.plot(plan.time.total, plan.memory.total / GIB, "*" if rank == 0 else "o", color="C1" if rank == 0 else "C0",
+                markersize=14 if rank == 0 else 6, gid=f"plan-{rank}")
+        ax.annotate(f"{plan.N_d}x{plan.t}x{plan.K} Z{plan.zero}{' rc' if plan.recompute else ''}",
+                    (plan.time.total, plan.memory.total / GIB), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    if not accepted:
+        first = next((p for p in every if p.memory is not None), every[0])
+        ax.text(0.5, 0.5, f"no plan accepted ({len(every)} rejected);\ne.g. {' '.join(first.reasons)}",
+                transform=ax.transAxes, ha="center", va="center", fontsize=9)
+    ax.margins(x=0.12)  # room for the labels of the slowest points
+    ax.set(xlabel="step time (s)", ylabel="memory per GPU (GiB)", ylim=(0, None),
+           title=f"{len(accepted)} fastest plans on {cluster.name} (N_d x t x K, ZeRO stage; rc: recompute)")
+    ax.legend(loc="lower right", fontsize=8)
+    return ax
+
+
+def cluster_of(gpus_per_node, nodes, memory_gib, intra_gbs, inter_gbs):
+    """A ``Cluster`` of A100-like GPUs (``Cluster.dgx_a100``'s peak and latencies) with these
+    sizes, memory (GiB) and bandwidths (GB/s)."""
+    return Cluster(gpus_per_node, nodes, memory_gib * GIB, A100.peak_flops,
+                   intra=Link(A100.intra.latency, intra_gbs * 1e9), inter=Link(A100.inter.latency, inter_gbs * 1e9),
+                   name=f"{nodes} x {gpus_per_node} GPUs of {memory_gib:g} GiB")
+
+
+def plan_widget(model="70B", B=1536, nodes=64, memory_gib=80, n=8):
+    """``plot_plans`` and ``format_table`` of the ``n`` fastest plans with controls: the model
+    (small GPT, 7B, 70B), the global batch B, nodes of 1 to 8 GPUs, each GPU's memory, and
+    the intra- and inter-node bandwidths. Displays a static picture of the first state (kept
+    by a saved notebook) and returns an ipywidgets VBox; without ipywidgets, warns and returns
+    the static figure."""
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}: pick one of them.")
+    in_range("B (the global batch)", B, 1, 1 << 20, "give B from 1 to 1,048,576 samples.", whole=True)
+    if nodes not in NODES:
+        raise ValueError(f"nodes must be one of {NODES}, got {nodes!r}: pick one of them.")
+    in_range("memory_gib", memory_gib, 1, 1024, "give each GPU's memory from 1 to 1024 GiB.")
+    widgets = import_ipywidgets()
+    first = cluster_of(8, nodes, memory_gib, A100.intra.bandwidth / 1e9, A100.inter.bandwidth / 1e9)
+    if widgets is None:
+        return plot_plans(plans(MODELS[model](), Batch(B), first), first, n).figure
+
+    chosen = widgets.Dropdown(options=list(MODELS), value=model, description="model", style=FIT)
+    batch = widgets.BoundedIntText(B, min=1, max=1 << 20, description="global batch B", style=FIT)
+    machines = widgets.Dropdown(options=NODES, value=nodes, description="nodes", style=FIT)
+    per_node = widgets.Dropdown(options=(1, 2, 4, 8), value=8, description="GPUs per node", style=FIT)
+    memory = widgets.IntSlider(memory_gib, min=8, max=192, description="GiB per GPU", continuous_update=False,
+                               style=FIT)
+    intra = log_slider(A100.intra.bandwidth / 1e9, 0, 3, "intra-node GB/s", continuous_update=False)
+    inter = log_slider(A100.inter.bandwidth / 1e9, -1, 3, "inter-node GB/s", continuous_update=False)
+    image, table, feedback = widgets.Image(format="png"), widgets.HTML(), Feedback()
+
+    def redraw(_=None):
+        cluster = cluster_of(per_node.value, machines.value, memory.value, intra.value, inter.value)
+        every = plans(MODELS[chosen.value](), Batch(batch.value), cluster)
+        image.value = png(lambda ax: plot_plans(every, cluster, n, ax), FIGSIZE)
+        table.value = f"<pre>{format_table(plan_table(every, n, rejected=3 if every[0].rejected else 0))}</pre>"
+        feedback.say(f"{sum(not p.rejected for p in every)} of {len(every)} plans accepted.")
+
+    for control in (chosen, batch, machines, per_node, memory, intra, inter):
+        control.observe(feedback.guard(redraw, "Planning"), names="value")
+    redraw()
+    show_static(image.value, f"the fastest plans for the {model} on {nodes} nodes")
+    rows = [widgets.HBox([chosen, batch]), widgets.HBox([machines, per_node, memory]), widgets.HBox([intra, inter])]
+    return widgets.VBox([*rows, feedback.box, image, table])
