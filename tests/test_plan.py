@@ -115,12 +115,12 @@ def test_recompute_adds_a_forward_and_its_all_reduces():
 # --- enumeration ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("G, count", [(1, 1), (8, 10), (12, 18), (32, 21), (512, 55)])
-def test_grids_are_every_ordered_factorisation(G, count):
+@pytest.mark.parametrize("N, count", [(1, 1), (8, 10), (12, 18), (32, 21), (512, 55)])
+def test_grids_are_every_ordered_factorisation(N, count):
     # 2^k GPUs: C(k + 2, 2) ways to share k factors of 2 among three degrees; 12 = 2^2 3: 6 x 3.
-    found = grids(G)
+    found = grids(N)
     assert len(found) == len(set(found)) == count
-    assert all(N_d * t * K == G for N_d, t, K in found)
+    assert all(N_d * t * K == N for N_d, t, K in found)
 
 
 def test_every_plan_is_enumerated_once():

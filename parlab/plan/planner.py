@@ -1,8 +1,9 @@
 """Every plan for a model on a cluster, its memory per GPU and step time, ranked.
 
-A plan places the G GPUs on a grid N_d x t x K = G (data x tensor x pipeline), with tensor
-parallelism innermost (consecutive ranks), then data, then pipeline, as Megatron-LM orders
-them: a tensor group spans t consecutive ranks, a data group t N_d, a pipeline t N_d K.
+A plan places the N GPUs (the world size) on a grid N_d x t x K = N (data x tensor x
+pipeline), with tensor parallelism innermost (consecutive ranks), then data, then pipeline,
+as Megatron-LM orders them: a tensor group spans t consecutive ranks, a data group t N_d, a
+pipeline t N_d K.
 A group whose span divides the GPUs of a node lies inside one node and talks over the
 ``intra`` link; otherwise its slowest hop is the ``inter`` link. The rest of a plan: the ZeRO
 stage of the data axis (0 to 3), the micro-batch size b (M = B / (N_d b) micro-batches per
@@ -18,7 +19,7 @@ Memory per GPU (``plan_memory``), each term from the lecture that owns it:
 
 Step time (``plan_time``), in seconds:
 
-    compute   6 Psi B s FLOPs (8 Psi B s with recompute: a second forward) / (G peak efficiency)
+    compute   6 Psi B s FLOPs (8 Psi B s with recompute: a second forward) / (N peak efficiency)
     tensor    (4 + 2 recompute) L / K M ring all-reduces of b s h 16-bit values on t ranks:
               2 in forward, 2 in backward per layer (Megatron's f and g), 2 more when the
               forward is recomputed; with sequence parallelism the all-gather and
@@ -116,7 +117,7 @@ class Plan:
 
 def plans(model, batch, cluster, precision=MIXED_ADAM, efficiency=0.5, sequence_parallel=True, max_bubble=0.5,
           tensor_across_nodes=False, zero_stages=STAGES):
-    """Every plan over N_d x t x K = G, each ZeRO stage of ``zero_stages``, each micro-batch
+    """Every plan over N_d x t x K = N, each ZeRO stage of ``zero_stages``, each micro-batch
     size of ``batch`` and recompute off/on: the accepted ones first, fastest first (then least
     memory), then the rejected ones in the order they were enumerated. A plan is rejected when it cannot be
     built (t does not divide a, K does not divide L, B does not split, M < K), when its
@@ -139,9 +140,9 @@ def best_plans(model, batch, cluster, n=3, **options):
     return [p for p in plans(model, batch, cluster, **options) if not p.rejected][:n]
 
 
-def grids(G):
-    """Every (N_d, t, K) with N_d t K = G, in increasing t, then K."""
-    return [(G // (t * K), t, K) for t in _divisors(G) for K in _divisors(G // t)]
+def grids(N):
+    """Every (N_d, t, K) with N_d t K = N, in increasing t, then K."""
+    return [(N // (t * K), t, K) for t in _divisors(N) for K in _divisors(N // t)]
 
 
 def plan_memory(model, plan, precision=MIXED_ADAM, sequence_parallel=True):
@@ -164,8 +165,8 @@ def plan_time(model, batch, cluster, plan, precision=MIXED_ADAM, efficiency=0.5,
     """``StepTime`` of one step of ``plan`` (a ``Plan``; its estimates are not read), by the
     module docstring's formula."""
     N_d, t, K, zero, b, M, recompute = _layout(model, plan)
-    G, s, h = cluster.gpus, model.s, model.h
-    compute = (8 if recompute else 6) * model.psi * batch.B * s / (G * cluster.peak_flops * efficiency)
+    N, s, h = cluster.gpus, model.s, model.h
+    compute = (8 if recompute else 6) * model.psi * batch.B * s / (N * cluster.peak_flops * efficiency)
     tensor = 0.0
     if t > 1:
         link = cluster.intra if cluster.within_node(t) else cluster.inter
@@ -173,7 +174,7 @@ def plan_time(model, batch, cluster, plan, precision=MIXED_ADAM, efficiency=0.5,
         tensor = all_reduces * cost_model("ring", b * s * h * ACTIVATION_BYTES, t, link.latency, 1 / link.bandwidth)
     pipeline = 0.0
     if K > 1:
-        link = cluster.intra if cluster.within_node(G) else cluster.inter
+        link = cluster.intra if cluster.within_node(N) else cluster.inter
         pipeline = 2 * M * link.time(b * s * h * ACTIVATION_BYTES / (t if sequence_parallel else 1))
     busy = compute + tensor + pipeline
     idle = bubble_formula(K, M)
