@@ -21,7 +21,9 @@ from parlab.compression import (
     TernGrad,
     TopK,
     orthogonalize,
+    parlab_hook,
     topk_pays,
+    torch_hook,
 )
 from parlab.compression.travel import all_gather_sent, pack, ring_allreduce_sent, seconds, sent, unpack
 
@@ -198,6 +200,8 @@ def test_powersgd_finds_a_low_rank_matrix_and_orthogonalizes():
     (lambda: ErrorFeedback(TopK(1))(torch.ones(2), gamma=0), "gamma"),
     (lambda: PowerSGD(0), "rank"),
     (lambda: PowerSGD(1).bytes(torch.zeros(10), [(3, 3)]), "do not add up to the 10 elements"),
+    (lambda: parlab_hook(lambda x: x), "a comm hook needs a compressor"),
+    (lambda: torch_hook("fp16"), "a comm hook needs a compressor"),
 ])
 def test_learner_mistakes_are_explained(call, message):
     with pytest.raises(ValueError, match=message):
@@ -217,3 +221,16 @@ def test_the_alpha_beta_time_of_each_compressors_collectives():
         2 * (alpha + 40 * 4 / bandwidth) + 2 * (alpha + 25 * 4 / bandwidth))
     assert sent(PowerSGD(2).collectives(x.view(40, 25)), 2) == [4 * 80 + 4 * 50] * 2
     assert seconds(Identity().collectives(x), 1, alpha, bandwidth) == 0  # one rank sends nothing
+
+
+
+def test_parlabs_hook_walks_the_buckets_of_the_module_it_was_given():
+    # parlab's DDP fills buckets with the trainable parameters in reverse order and launches them in
+    # order: a bucket of the last two (bias 4, weight 4 x 3), then the first two (bias 3, weight 3 x 2)
+    module = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 4))
+    hook = parlab_hook(PowerSGD(1), module)
+    assert hook._bucket_shapes(4 + 12) == [(4,), (4, 3)]
+    assert hook._bucket_shapes(3 + 6) == [(3,), (3, 2)]
+    assert hook._bucket_shapes(16) == [(4,), (4, 3)]  # the next step starts again from the last layer
+    with pytest.raises(ValueError, match="does not match the parameters of the module given to the hook"):
+        hook._bucket_shapes(5)
