@@ -213,6 +213,7 @@ def test_the_small_gpt_is_counted_from_its_module():
     (lambda: plans(SEVEN_B, Batch(8), NODE, efficiency=1.5), "at most 1"),
     (lambda: plans(SEVEN_B, Batch(8), NODE, zero_stages=(4,)), "ZeRO stage"),
     (lambda: plans({"psi": 1}, Batch(8), NODE), "parlab.plan.Model"),
+    (lambda: plans(SEVEN_B, Batch(8), NODE, precision=(12, 2, 2)), "parlab.memory.Precision"),
     (lambda: plan_memory(SEVEN_B, Plan(1, 1, 3, zero=0, b=1, M=4, recompute=False)), "divisor of L"),
 ])
 def test_bad_input_says_what_to_change(build, match):

@@ -52,7 +52,15 @@ from typing import NamedTuple
 
 from parlab._checks import real_number
 from parlab.alpha_beta import cost_model
-from parlab.memory import MIXED_ADAM, STAGES, ModelState, _check_stage, model_state_bytes, ring_communication_seconds
+from parlab.memory import (
+    MIXED_ADAM,
+    STAGES,
+    ModelState,
+    Precision,
+    _check_stage,
+    model_state_bytes,
+    ring_communication_seconds,
+)
 from parlab.pipeline import bubble_formula
 from parlab.plan.inputs import GIB, Batch, Cluster, Model
 
@@ -125,6 +133,9 @@ def plans(model, batch, cluster, precision=MIXED_ADAM, efficiency=0.5, sequence_
     GPU's memory, or when its bubble is above ``max_bubble``. ``efficiency``: the share of
     peak FLOP/s that compute reaches."""
     _check_inputs(model, batch, cluster, efficiency, max_bubble)
+    if not isinstance(precision, Precision):
+        raise ValueError(f"precision must be a parlab.memory.Precision, got {precision!r}: e.g. "
+                         "parlab.memory.MIXED_ADAM (kappa = 12, 2-byte parameters and gradients) or FP32_ADAM.")
     for stage in zero_stages:
         _check_stage(stage)
     every = [_assess(model, batch, cluster, precision, efficiency, sequence_parallel, max_bubble, tensor_across_nodes,
