@@ -9,6 +9,7 @@ few counters after its values, in the weights' dtype (exact up to 2^24 in fp32):
     reply: [w (d_s), its version, stop (0 or 1), the staleness tau of the push answered]
 """
 
+import threading
 from concurrent import futures
 
 import torch
@@ -16,8 +17,6 @@ import torch
 from parlab import p2p
 
 GRADIENT, LEAVE = 0.0, 1.0
-WAITERS = 32  # threads per rank waiting for messages: more than a server has workers
-_waiters = None
 
 
 def reply(shard, version, stop, tau=0):
@@ -53,13 +52,20 @@ class Inbox:
 
 def arrival(request):
     """A future that is done when ``request`` (a p2p receive or send) is: its ``wait()`` runs
-    on a thread of this rank. gloo tells whether a receive has completed only to ``wait()``
+    on a thread of its own. gloo tells whether a receive has completed only to ``wait()``
     (``is_completed()`` stays False until then), so a rank that must not block on one
-    message waits for it on a thread."""
-    global _waiters
-    if _waiters is None:
-        _waiters = futures.ThreadPoolExecutor(max_workers=WAITERS, thread_name_prefix="parlab-inbox")
-    return _waiters.submit(request.wait)
+    message waits for it on a thread. The thread is a daemon: one left waiting after another
+    rank failed neither holds up this process's exit nor a slot that later waits need."""
+    future = futures.Future()
+
+    def wait():
+        try:
+            future.set_result(request.wait())
+        except BaseException as error:  # handed to whoever reads the future
+            future.set_exception(error)
+
+    threading.Thread(target=wait, name="parlab-inbox", daemon=True).start()
+    return future
 
 
 def finish_sent(sends):
