@@ -17,7 +17,7 @@ them for that comparison.
 
 ``parlab.launch`` runs it. With ``--world-size N`` (N > 1) and no torchrun it starts a Cluster
 of N ranks. Under torchrun it joins torch's group instead (``parlab.runtime.launch``), and a
-plain process sets what torchrun would set for a job of one (``become_a_job_of_one``) and
+plain process sets what torchrun would set for a job of one (``a_job_of_one``) and
 joins the same way: ``init_process_group(backend)`` with the default ``init_method="env://"``
 reads what torchrun sets for each process it starts:
 
@@ -37,6 +37,7 @@ import hashlib
 import json
 import os
 import socket
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -112,14 +113,26 @@ def checksum(weights):
     return digest.hexdigest()[:16]
 
 
-def become_a_job_of_one():
-    """Set what torchrun would set for a job of one process (rank 0 of 1, its store on a free
-    port of this machine): the plain process then joins its group by the env:// rendezvous
-    as torchrun's processes do, in this very process."""
+@contextmanager
+def a_job_of_one():
+    """Within: what torchrun would set for a job of one process (rank 0 of 1, its store on a
+    free port of this machine), so that a plain process joins its group by the env://
+    rendezvous as torchrun's processes do, in this very process. The environment is restored
+    after (a notebook that calls ``main`` stays outside torchrun)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    job = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    saved = {name: os.environ.get(name) for name in job}
+    os.environ.update(job)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def parse_arguments(argv=None):
@@ -131,6 +144,8 @@ def parse_arguments(argv=None):
     parser.add_argument("--world-size", type=int, default=1, help="ranks of the Cluster when not under torchrun")
     parser.add_argument("--out", help="write rank 0's result (losses, checksum) to this JSON file")
     parser.add_argument("--weights", help="save rank 0's final weights to this file (torch.save)")
+    parser.add_argument("--backend", choices=["auto", "gloo", "nccl"], default="auto",
+                        help="auto: nccl with a GPU per process, else gloo")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds, for the Cluster way")
     sbatch = parser.add_argument_group("SLURM", "print an sbatch script that runs this training (parlab.slurm)")
     sbatch.add_argument("--sbatch", action="store_true")
@@ -150,11 +165,16 @@ def main(argv=None):
                              "processes: give a global batch that is a multiple of nodes x GPUs per node.")
         print(script, end="")
         return
-    if args.world_size == 1 and not under_torchrun():
-        become_a_job_of_one()
-    result = runtime.launch(train, args.world_size, timeout=args.timeout, **options)[0]
+    whole_number("--world-size", args.world_size, "give the number of ranks of the Cluster, e.g. 2 (under torchrun, "
+                 "torchrun's --nproc-per-node and --nnodes decide).")
+    if under_torchrun() or args.world_size > 1:
+        results = runtime.launch(train, args.world_size, backend=args.backend, timeout=args.timeout, **options)
+    else:
+        with a_job_of_one():
+            results = runtime.launch(train, 1, backend=args.backend, **options)
     if int(os.environ.get("RANK", 0)) != 0:
         return
+    result = results[0]
     summary = {key: result[key] for key in ("world_size", "losses", "checksum")}
     print(f"world size {result['world_size']}: loss {result['losses'][-1]:.6f} after {args.steps} steps, "
           f"weights {result['checksum']}")

@@ -1,9 +1,9 @@
 """parlab.train launched for real: by torchrun on one machine (2 processes, gloo), by two
-torchrun "nodes" on localhost, in a parlab.Cluster and as one plain process, each equal to one
-process trained on the full batch (within parlab.numerics' band: the ranks sum their shards'
-gradients in another order); and parlab.slurm's sbatch script, parsed by bash and run with
-stand-ins for srun, scontrol and torchrun. Every subprocess has a deadline and is killed, with
-its children, if it misses it or fails."""
+torchrun "nodes" on localhost, in a parlab.Cluster and as one plain process (this one), each
+equal to one process trained on the full batch (within parlab.numerics' band: the ranks sum
+their shards' gradients in another order); and parlab.slurm's sbatch script, parsed by bash
+and run with stand-ins for srun, scontrol and torchrun. Every subprocess has a deadline and
+is killed, with its children, if it misses it or fails."""
 
 import functools
 import json
@@ -24,7 +24,7 @@ from parlab.numerics import assert_equivalent, backward_in_shards, ring_orders
 from parlab.runtime import RankError
 
 STEPS, BATCH, LR = 2, 8, 0.5
-OPTIONS = ["--steps", str(STEPS), "--batch", str(BATCH), "--lr", str(LR)]
+OPTIONS = ["--steps", str(STEPS), "--batch", str(BATCH), "--lr", str(LR), "--backend", "gloo"]
 # torchrun beside this interpreter first (the venv's), then wherever PATH finds it.
 SEARCH_PATH = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 TORCHRUN = shutil.which("torchrun", path=SEARCH_PATH)
@@ -151,13 +151,18 @@ def test_two_torchrun_nodes_on_localhost_train_like_one_process(tmp_path):
     assert_like_one_process(weights, summary["losses"], 2, "two torchrun nodes")
 
 
-@pytest.mark.timeout(DEADLINE + 30)
-def test_one_plain_process_is_the_reference(tmp_path):
-    run_together([[sys.executable, "-m", "parlab.train", *OPTIONS, "--out", "run.json", "--weights", "run.pt"]],
-                 tmp_path)
+@pytest.mark.timeout(60)
+def test_a_plain_process_is_the_reference_and_leaves_the_environment_as_it_was(tmp_path, monkeypatch):
+    """``python -m parlab.train`` without torchrun: main, in this process (as from a notebook)."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    train.main([*OPTIONS, "--out", "run.json", "--weights", "run.pt"])
     summary, weights = written_result(tmp_path, "run")
     assert summary["world_size"] == 1
+    assert summary["losses"] == one_process()[1].tolist()  # the same operations in the same process
     assert_like_one_process(weights, summary["losses"], 1, "python -m parlab.train")
+    assert not {"RANK", "WORLD_SIZE", "MASTER_PORT"} & set(os.environ)  # parlab.launch would think it is under torchrun
 
 
 @pytest.mark.timeout(90)
@@ -225,5 +230,7 @@ def test_learner_mistakes_are_refused_with_a_sentence():
         slurm.sbatch_script(nodes=2, gpus_per_node=4, arguments="--steps 3")
     with pytest.raises(ValueError, match="job_name must be a word without spaces"):
         slurm.sbatch_script(nodes=2, gpus_per_node=4, job_name="my job")
+    with pytest.raises(ValueError, match="--world-size must be a whole number >= 1"):
+        train.main(["--world-size", "0"])
     with pytest.raises(ValueError, match="multiple of nodes x GPUs per node"):
         train.main(["--sbatch", "--nodes", "2", "--gpus-per-node", "3", "--batch", "8"])
