@@ -33,6 +33,7 @@ connections between the ranks and the store is only used for coordination.
 """
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -54,17 +55,23 @@ from parlab.sampler import DistributedSampler
 SEQUENCE, HIDDEN, HEADS, LAYERS = 16, 32, 2, 1
 
 
+@functools.cache
+def dataset():
+    """The shipped text as characters (``parlab.gpt.CharDataset``), read once per process."""
+    return CharDataset()
+
+
 def build_model(seed=0):
     """The model every rank builds: the same GPT (V from the shipped text) from ``seed``."""
     torch.manual_seed(seed)
-    return GPT(GPTConfig(V=CharDataset().V, s=SEQUENCE, h=HIDDEN, a=HEADS, L=LAYERS))
+    return GPT(GPTConfig(V=dataset().V, s=SEQUENCE, h=HIDDEN, a=HEADS, L=LAYERS))
 
 
 def full_batch(step, batch, seed=0):
     """Step ``step``'s global batch: ``batch`` sequences (B, s) and their targets, the same on
     every rank and in every run (drawn from a generator seeded with seed + step)."""
     generator = torch.Generator().manual_seed(seed + step)
-    return CharDataset().batch(batch, SEQUENCE, generator)
+    return dataset().batch(batch, SEQUENCE, generator)
 
 
 def train(steps=3, batch=8, lr=0.5, seed=0):
@@ -104,8 +111,10 @@ def train(steps=3, batch=8, lr=0.5, seed=0):
 
 
 def checksum(weights):
-    """The first 16 hex digits of the SHA-256 of the weights' bytes, in the state dict's
-    order: equal exactly when every weight is equal bit for bit."""
+    """The first 16 hex digits of the SHA-256 of the weights' names and bytes, in the state
+    dict's order: the same for weights equal bit for bit, another for a change in any bit.
+    Runs that differ only in rounding (another summation order, other kernels) differ here:
+    compare their weights with ``parlab.numerics`` instead."""
     digest = hashlib.sha256()
     for name, tensor in weights.items():
         digest.update(name.encode())
@@ -119,10 +128,7 @@ def a_job_of_one():
     free port of this machine), so that a plain process joins its group by the env://
     rendezvous as torchrun's processes do, in this very process. The environment is restored
     after (a notebook that calls ``main`` stays outside torchrun)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    job = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    job = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     saved = {name: os.environ.get(name) for name in job}
     os.environ.update(job)
     try:
@@ -133,6 +139,14 @@ def a_job_of_one():
                 del os.environ[name]
             else:
                 os.environ[name] = value
+
+
+def free_port():
+    """A TCP port of this machine that is free now: the one the operating system gives a
+    socket bound to port 0 (another program may take it before it is used; rarely)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def parse_arguments(argv=None):

@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -61,12 +60,6 @@ def assert_like_one_process(weights, losses, world_size, label):
     reference = one_process()
     assert_equivalent(weights, reference[0], [d[0] for d in decomposed], f"{label}: weights")
     assert_equivalent(torch.tensor(losses), reference[1], [d[1] for d in decomposed], f"{label}: losses")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def descendants(pid):
@@ -141,7 +134,7 @@ def test_torchrun_on_one_machine_trains_like_one_process(tmp_path):
 @needs_torchrun
 @pytest.mark.timeout(DEADLINE + 30)
 def test_two_torchrun_nodes_on_localhost_train_like_one_process(tmp_path):
-    port = str(free_port())
+    port = str(train.free_port())
     commands = [[TORCHRUN, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1",
                  "--master-addr", "127.0.0.1", "--master-port", port, "-m", "parlab.train", *OPTIONS,
                  "--out", "run.json", "--weights", "run.pt"] for node in (0, 1)]
