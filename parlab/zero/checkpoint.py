@@ -277,3 +277,6 @@ def _check_all_ranks(engine):
     if getattr(engine, "group", None) is not None:
         raise ValueError("checkpoints are made over all ranks: this ZeroDP works on a process group (group=...); "
                          "save its full_parameters() yourself, or build it without group to checkpoint it.")
+    if engine.optimizer is None:
+        raise ValueError("a checkpoint holds the engine's optimizer state, and this engine was built without an "
+                         "optimizer (optimizer_class=None): build it with one, or save your optimizer yourself.")

@@ -95,18 +95,24 @@ class FSDP(nn.Module):
     module docstring for the flow.
 
     ``optimizer_class(shards, **opt_kwargs)`` is built over the fp32 shard Parameters (also
-    ``engine.parameters()``; the model's own parameters are replaced by views). ``strategy``
+    ``engine.parameters()``; the model's own parameters are replaced by views). With
+    ``optimizer_class=None`` the engine builds none: build yours over ``engine.parameters()``
+    and call its ``step()`` after ``engine.finish_gradient_synchronization()``, as with DDP. ``strategy``
     and ``shard_group_size`` (HYBRID_SHARD only): the table above. ``wrap_policy``: see
     ``parlab.zero.units``. ``mixed_precision``: None, torch.bfloat16 or torch.float16.
     ``cpu_offload``: shards, gradients and optimizer state in CPU memory. ``init_fn(module)``
     initialises one module of a model built on the meta device (default
     ``module.reset_parameters()``), with the generator seeded ``init_seed`` + unit index."""
 
-    def __init__(self, model, optimizer_class, strategy="FULL_SHARD", wrap_policy=None, mixed_precision=None,
+    def __init__(self, model, optimizer_class=None, strategy="FULL_SHARD", wrap_policy=None, mixed_precision=None,
                  cpu_offload=False, init_fn=None, init_seed=0, shard_group_size=None, **opt_kwargs):
         super().__init__()
         _checks.module("model", model, "pass the model to shard, built the same on every rank (or on the meta device).")
-        _checks.optimizer_class(optimizer_class)
+        if optimizer_class is not None:
+            _checks.optimizer_class(optimizer_class)
+        elif opt_kwargs:
+            raise ValueError(f"optimizer options {sorted(opt_kwargs)} need an optimizer_class: pass one, or drop "
+                             "them and give them to the optimizer you build over engine.parameters().")
         N = dist.get_world_size()
         S = _shard_group_size(strategy, N, shard_group_size)
         if mixed_precision not in (None, *LOW_PRECISION):
@@ -143,7 +149,7 @@ class FSDP(nn.Module):
             p2p.broadcast(buffer, src=0)
         self.mixed_precision = mixed_precision
         self.shards = nn.ParameterList([unit.shard for unit in self.units])
-        self.optimizer = optimizer_class(list(self.shards), **opt_kwargs)
+        self.optimizer = None if optimizer_class is None else optimizer_class(list(self.shards), **opt_kwargs)
         for unit in self.units:
             unit.module.register_forward_pre_hook(functools.partial(self._before_forward, unit))
             unit.module.register_forward_hook(functools.partial(self._after_forward, unit))
@@ -176,14 +182,23 @@ class FSDP(nn.Module):
                 if torch.is_tensor(tensor) and tensor.requires_grad:
                     tensor.register_hook(lambda grad: unit.gather())
 
+    def finish_gradient_synchronization(self):
+        """DDP's and ZeroDP's call after backward, before the optimizer step. Here nothing is
+        left to do: each unit reduce-scattered its gradient during backward, as soon as it was
+        complete (inside ``no_sync`` no unit reduces, and the next backward outside does)."""
+
     def step(self):
         """The optimizer step on this rank's shards (their gradients are reduced already:
         during backward)."""
+        if self.optimizer is None:
+            raise ValueError("this FSDP was built without an optimizer (optimizer_class=None): call step() on the "
+                             "optimizer you built over engine.parameters().")
         with trace.span("optimizer"):
             self.optimizer.step()
 
     def zero_grad(self):
-        self.optimizer.zero_grad(set_to_none=True)
+        for shard in self.shards:
+            shard.grad = None
 
     @contextmanager
     def no_sync(self):
@@ -214,7 +229,8 @@ class FSDP(nn.Module):
         return measure_model_state(
             [t for unit in self.units for t in (unit.shard, unit.full)],
             [g for unit in self.units for g in (unit.shard.grad, unit.full.grad)],
-            [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)],
+            [v for state in (self.optimizer.state.values() if self.optimizer else []) for v in state.values()
+             if torch.is_tensor(v)],
         )
 
     def full_parameters(self):

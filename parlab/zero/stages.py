@@ -148,6 +148,7 @@ group from ``dist.new_group``, e.g. the data-parallel axis of a grid; default: a
         self.offload_bytes = {}  # bytes each copy of the last step moved between device and host
         self.optimizer = optimizer_class([self.shard], **optimizer_kwargs)
         self.flat_grad, self.buckets, self.peak_gradient_bytes = None, None, 0
+        self.synchronized = False  # finish_gradient_synchronization ran since the last step or zero_grad
         if stage == 2:
             self.buckets = GradientBuckets(self.trainable, self.layout, bucket_cap_mb, self._measure_gradients, group)
         else:
@@ -170,8 +171,27 @@ group from ``dist.new_group``, e.g. the data-parallel axis of a grid; default: a
         rank's shard, AG of the parameters. Stage 2: its buckets were reduce-scattered during
         backward (any left, with a gradient missing, now); then as stage 1. With ``offload``,
         the averaged gradient shard goes to the host before the optimizer step and the updated
-        parameter shard comes back before the all-gather.
+        parameter shard comes back before the all-gather. The averaging is
+        ``finish_gradient_synchronization`` (unless called already since the backward).
         """
+        if not self.synchronized:
+            self.finish_gradient_synchronization()
+        with trace.span("optimizer"):
+            self.optimizer.step()
+        if self.offload:
+            with trace.span("parameters to device"), torch.no_grad():
+                self.layout.shard(self.flat_param, self.rank).copy_(self.shard)
+            self.offload_bytes["parameters to device"] = self.shard.nbytes
+        if self.stage > 0:
+            with trace.span("all-gather parameters"):
+                collectives.ring_all_gather(self.flat_param, check=False, group=self.group)
+        self.synchronized = False
+
+    def finish_gradient_synchronization(self):
+        """The first half of ``step``, as DDP's method of that name: after the step's last
+        backward, average the gradients over the N_d ranks. Afterwards ``self.shard.grad``
+        holds this rank's averaged shard (stage 0: the whole averaged gradient), on the host
+        with ``offload``; ``step()`` then takes the optimizer step without averaging again."""
         if self.stage == 2:
             if not self.buckets.finish():
                 raise ValueError("step() needs this step's gradients: run forward through the engine and "
@@ -194,15 +214,7 @@ group from ``dist.new_group``, e.g. the data-parallel axis of a grid; default: a
         else:
             self.shard.grad = averaged
         self._measure_gradients()
-        with trace.span("optimizer"):
-            self.optimizer.step()
-        if self.offload:
-            with trace.span("parameters to device"), torch.no_grad():
-                self.layout.shard(self.flat_param, self.rank).copy_(self.shard)
-            self.offload_bytes["parameters to device"] = self.shard.nbytes
-        if self.stage > 0:
-            with trace.span("all-gather parameters"):
-                collectives.ring_all_gather(self.flat_param, check=False, group=self.group)
+        self.synchronized = True
 
     def zero_grad(self):
         """Zero the gradients for the next step: stages 0, 1 zero the flat gradient buffer in
@@ -213,7 +225,7 @@ group from ``dist.new_group``, e.g. the data-parallel axis of a grid; default: a
             self.buckets.discard()
         else:
             self.flat_grad.zero_()
-        self.peak_gradient_bytes = 0
+        self.peak_gradient_bytes, self.synchronized = 0, False
         self._measure_gradients()
 
     def gradient_bytes(self):

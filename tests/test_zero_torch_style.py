@@ -1,0 +1,85 @@
+"""parlab's sharded engines in ordinary torch code (issue 16): FSDP without an optimizer of its
+own (the caller's optimizer over ``engine.parameters()``), and ``finish_gradient_synchronization``
+on DDP, ZeroDP and FSDP, the call between backward and the optimizer step. Each way ends
+bit for bit where the engine's own ``step()`` ends, at 2 ranks."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from parlab.ddp import DDP
+from parlab.zero import FSDP, ZeroDP, checkpoint
+
+STEPS = 3
+
+
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 5))
+
+
+def my_batch():
+    generator = torch.Generator().manual_seed(3 + dist.get_rank())
+    return torch.randn(4, 6, generator=generator), torch.randn(4, 5, generator=generator)
+
+
+def fsdp_own_optimizer_against_its_step():
+    x, y = my_batch()
+    results = {}
+    for own in (False, True):
+        engine = FSDP(build(), None, wrap_policy="per_layer") if own else FSDP(
+            build(), torch.optim.Adam, wrap_policy="per_layer", lr=1e-2)
+        optimizer = torch.optim.Adam(list(engine.parameters()), lr=1e-2) if own else engine
+        for _ in range(STEPS):
+            engine.zero_grad()
+            F.mse_loss(engine(x), y).backward()
+            engine.finish_gradient_synchronization()
+            optimizer.step()
+        results[own] = engine.full_parameters()
+    refusals = []
+    for attempt in (engine.step, lambda: checkpoint.full_state_dict(engine),
+                    lambda: FSDP(build(), None, lr=1e-2)):
+        try:
+            attempt()
+        except ValueError as error:
+            refusals.append(str(error))
+    return results, refusals
+
+
+@pytest.mark.timeout(60)
+def test_fsdp_trains_with_the_callers_optimizer_like_with_its_own(cluster2):
+    for results, refusals in cluster2.run(fsdp_own_optimizer_against_its_step, timeout=60):
+        assert all(torch.equal(results[True][name], results[False][name]) for name in results[False])
+        assert all(not torch.equal(results[True][name], p) for name, p in build().named_parameters())
+        assert len(refusals) == 3 and "optimizer you built" in refusals[0] and "optimizer_class" in refusals[2]
+
+
+def zerodp_synchronized_first(stage):
+    x, y = my_batch()
+    results, averaged = {}, None
+    for synchronize_first in (False, True):
+        engine = ZeroDP(build(), torch.optim.Adam, stage=stage, lr=1e-2)
+        for _ in range(STEPS):
+            engine.zero_grad()
+            F.mse_loss(engine(x), y).backward()
+            if synchronize_first:
+                engine.finish_gradient_synchronization()
+                averaged = engine.shard.grad.clone()
+            engine.step()  # does not average again
+        results[synchronize_first] = engine.full_parameters()
+    return results, averaged, engine.layout.shard_numel
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_zerodp_finish_gradient_synchronization_is_the_first_half_of_its_step(cluster2, stage):
+    for rank, (results, averaged, shard) in enumerate(cluster2.run(zerodp_synchronized_first, stage, timeout=60)):
+        assert all(torch.equal(results[True][name], results[False][name]) for name in results[False]), rank
+        assert averaged.numel() == (2 * shard if stage == 0 else shard)
+
+
+def test_the_engines_share_the_synchronization_call():
+    for engine in (DDP, ZeroDP, FSDP):
+        assert callable(getattr(engine, "finish_gradient_synchronization", None)), engine.__name__
