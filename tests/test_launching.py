@@ -113,6 +113,26 @@ def run_together(commands, directory, deadline=DEADLINE):
     return outputs
 
 
+def running(pid):
+    """Whether ``pid`` still runs (a killed process no one has reaped yet, a zombie, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_a_launch_past_its_deadline_is_killed_with_its_children(tmp_path):
+    # The child in a session of its own, as torchrun starts its workers.
+    command = ["bash", "-c", "setsid sleep 300 & echo $! > child; sleep 300"]
+    with pytest.raises(pytest.fail.Exception, match="still running after 2 s, killed"):
+        run_together([command], tmp_path, deadline=2)
+    child = int((tmp_path / "child").read_text())
+    end = time.monotonic() + 10
+    while running(child) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not running(child)
+
+
 def written_result(directory, name):
     summary = json.loads((directory / f"{name}.json").read_text())
     weights = torch.load(directory / f"{name}.pt")
