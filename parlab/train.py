@@ -35,6 +35,7 @@ connections between the ranks and the store is only used for coordination.
 import argparse
 import functools
 import hashlib
+import importlib
 import json
 import os
 import socket
@@ -182,7 +183,9 @@ def main(argv=None):
     whole_number("--world-size", args.world_size, "give the number of ranks of the Cluster, e.g. 2 (under torchrun, "
                  "torchrun's --nproc-per-node and --nnodes decide).")
     if under_torchrun() or args.world_size > 1:
-        results = runtime.launch(train, args.world_size, backend=args.backend, timeout=args.timeout, **options)
+        # The module's own train, not __main__'s: the Cluster's ranks import it by name.
+        results = runtime.launch(importlib.import_module("parlab.train").train, args.world_size, backend=args.backend,
+                                 timeout=args.timeout, **options)
     else:
         with a_job_of_one():
             results = runtime.launch(train, 1, backend=args.backend, **options)

@@ -164,6 +164,16 @@ def test_two_torchrun_nodes_on_localhost_train_like_one_process(tmp_path):
     assert_like_one_process(weights, summary["losses"], 2, "two torchrun nodes")
 
 
+@pytest.mark.timeout(DEADLINE + 30)
+def test_the_command_line_cluster_trains_like_one_process(tmp_path):
+    # As __main__, the script must ship parlab.train's function (its ranks import it by name).
+    run_together([[sys.executable, "-m", "parlab.train", "--world-size", "2", *OPTIONS, "--out", "run.json",
+                   "--weights", "run.pt"]], tmp_path)
+    summary, weights = written_result(tmp_path, "run")
+    assert summary["world_size"] == 2
+    assert_like_one_process(weights, summary["losses"], 2, "python -m parlab.train --world-size 2")
+
+
 @pytest.mark.timeout(60)
 def test_a_plain_process_is_the_reference_and_leaves_the_environment_as_it_was(tmp_path, monkeypatch):
     """``python -m parlab.train`` without torchrun: main, in this process (as from a notebook)."""
