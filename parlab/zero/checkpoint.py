@@ -273,6 +273,7 @@ def _rank_file(directory, rank):
 
 
 def _check_all_ranks(engine):
+    _is_fsdp(engine)  # one of parlab's engines, first
     # The gathers and files here are over all ranks; an engine on a subgroup would mix groups.
     if getattr(engine, "group", None) is not None:
         raise ValueError("checkpoints are made over all ranks: this ZeroDP works on a process group (group=...); "
