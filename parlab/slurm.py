@@ -24,6 +24,8 @@ TEMPLATE = """\
 #SBATCH --gpus-per-node={gpus_per_node}
 #SBATCH --time={time_limit}
 # One task per node: that task is torchrun, which starts the node's {gpus_per_node} processes itself.
+# Submit it with sbatch from a shell where `python -m {module}` works: the job inherits that shell's
+# environment (PATH, the virtual environment).
 set -euo pipefail
 
 # What SLURM sets:
