@@ -1,4 +1,5 @@
-"""parlab's sharded engines in ordinary torch code (issue 16): FSDP without an optimizer of its
+"""parlab's sharded engines in ordinary torch code (issue 16): FSDP keeps the wrapped module's
+parameters visible (each unit's shard registered as a Parameter), FSDP without an optimizer of its
 own (the caller's optimizer over ``engine.parameters()``), and ``finish_gradient_synchronization``
 on DDP, ZeroDP and FSDP, the call between backward and the optimizer step. Each way ends
 bit for bit where the engine's own ``step()`` ends, at 2 ranks."""
@@ -83,3 +84,23 @@ def test_zerodp_finish_gradient_synchronization_is_the_first_half_of_its_step(cl
 def test_the_engines_share_the_synchronization_call():
     for engine in (DDP, ZeroDP, FSDP):
         assert callable(getattr(engine, "finish_gradient_synchronization", None)), engine.__name__
+
+
+def registered_after_a_backward():
+    model = build()
+    engine = FSDP(model, torch.optim.SGD, wrap_policy="per_layer", lr=0.1)
+    x, y = my_batch()
+    F.mse_loss(engine(x), y).backward()
+    named = dict(model.named_parameters())
+    return ({name: (tuple(p.shape), p.grad is not None) for name, p in named.items()},
+            all(any(p is unit.shard for p in named.values()) for unit in engine.units),
+            [name for name, _ in engine.named_parameters()])
+
+
+@pytest.mark.timeout(60)
+def test_fsdp_keeps_the_modules_parameters_visible_as_its_shards(cluster2):
+    # before, FSDP deleted them: model.named_parameters() was empty
+    for named, every_shard, engine_names in cluster2.run(registered_after_a_backward, timeout=60):
+        # Linear(6, 9): 63 elements, Linear(9, 5): 50, each unit cut into 2 shards
+        assert named == {"0.flat_shard": ((32,), True), "2.flat_shard": ((25,), True)}
+        assert every_shard and engine_names == ["module.0.flat_shard", "module.2.flat_shard"]

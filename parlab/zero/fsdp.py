@@ -87,6 +87,7 @@ from parlab.memory import measure_model_state
 from parlab.zero.units import materialize_unit, plan_units
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+SHARD_NAME = "flat_shard"  # each unit's module registers its shard under this name
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -95,7 +96,10 @@ class FSDP(nn.Module):
     module docstring for the flow.
 
     ``optimizer_class(shards, **opt_kwargs)`` is built over the fp32 shard Parameters (also
-    ``engine.parameters()``; the model's own parameters are replaced by views). With
+    ``engine.parameters()``): the model's own parameters are replaced by views of the unit's
+    gathered buffer, and each unit's module registers its shard as the Parameter
+    ``flat_shard`` (``model.named_parameters()`` lists e.g. ``0.flat_shard``, with its
+    averaged gradient after backward). With
     ``optimizer_class=None`` the engine builds none: build yours over ``engine.parameters()``
     and call its ``step()`` after ``engine.finish_gradient_synchronization()``, as with DDP. ``strategy``
     and ``shard_group_size`` (HYBRID_SHARD only): the table above. ``wrap_policy``: see
@@ -263,6 +267,8 @@ class FlatUnit:
         for slots in self.slots:
             for module, attribute in slots:
                 del module._parameters[attribute]
+        # torch-style code looks for what is trained in module.named_parameters(): the shard
+        self.module.register_parameter(SHARD_NAME, self.shard)
         plan.parameters.clear()  # the unit's full copy goes now, before the next unit's
         self.set_views()
         self.free()
