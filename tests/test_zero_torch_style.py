@@ -1,8 +1,9 @@
 """parlab's sharded engines in ordinary torch code (issue 16): FSDP keeps the wrapped module's
-parameters visible (each unit's shard registered as a Parameter), FSDP without an optimizer of its
-own (the caller's optimizer over ``engine.parameters()``), and ``finish_gradient_synchronization``
-on DDP, ZeroDP and FSDP, the call between backward and the optimizer step. Each way ends
-bit for bit where the engine's own ``step()`` ends, at 2 ranks."""
+parameters visible (each unit's shard registered as a Parameter); FSDP and ZeroDP train
+without an optimizer of their own (the caller's optimizer over ``engine.parameters()``, or
+``[engine.shard]``); ``finish_gradient_synchronization`` on DDP, ZeroDP and FSDP is the call
+between backward and the optimizer step. Each way ends bit for bit where the engine's own
+``step()`` ends, at 2 ranks."""
 
 import pytest
 import torch
@@ -104,3 +105,40 @@ def test_fsdp_keeps_the_modules_parameters_visible_as_its_shards(cluster2):
         # Linear(6, 9): 63 elements, Linear(9, 5): 50, each unit cut into 2 shards
         assert named == {"0.flat_shard": ((32,), True), "2.flat_shard": ((25,), True)}
         assert every_shard and engine_names == ["module.0.flat_shard", "module.2.flat_shard"]
+
+
+ZERO_CONFIGS = {"stage 0": dict(stage=0), "stage 1": dict(stage=1), "stage 2": dict(stage=2),
+                "stage 1, offload": dict(stage=1, offload=True)}
+
+
+def zerodp_own_optimizer_against_its_step(config):
+    x, y = my_batch()
+    results = {}
+    for own in (False, True):
+        if own:
+            engine = ZeroDP(build(), None, **ZERO_CONFIGS[config])
+            optimizer = torch.optim.Adam([engine.shard], lr=1e-2)
+        else:
+            engine = optimizer = ZeroDP(build(), torch.optim.Adam, lr=1e-2, **ZERO_CONFIGS[config])
+        for _ in range(STEPS):
+            engine.zero_grad()
+            F.mse_loss(engine(x), y).backward()  # from step 2 on, the forward gathers the caller's update first
+            engine.finish_gradient_synchronization()
+            optimizer.step()
+        results[own] = engine.full_parameters()
+    refusals = []
+    for attempt in (engine.step, lambda: ZeroDP(build(), None, lr=1e-2)):
+        try:
+            attempt()
+        except ValueError as error:
+            refusals.append(str(error))
+    return results, refusals
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("config", ZERO_CONFIGS)
+def test_zerodp_trains_with_the_callers_optimizer_like_with_its_own(cluster2, config):
+    for results, refusals in cluster2.run(zerodp_own_optimizer_against_its_step, config, timeout=60):
+        assert all(torch.equal(results[True][name], results[False][name]) for name in results[False])
+        assert all(not torch.equal(results[True][name], p) for name, p in build().named_parameters())
+        assert len(refusals) == 2 and "[engine.shard]" in refusals[0] and "optimizer_class" in refusals[1]

@@ -87,11 +87,16 @@ STAGES = (0, 1, 2)
 
 
 class ZeroDP(torch.nn.Module):
-    """ZeRO stage ``stage`` (0, 1 or 2; table above) over the N_d ranks of ``group`` (a process
-group from ``dist.new_group``, e.g. the data-parallel axis of a grid; default: all ranks).
+    """ZeRO stage ``stage`` (0, 1 or 2; table above) over the N_d ranks of ``group`` (a
+    process group from ``dist.new_group``, e.g. the data-parallel axis of a grid; default:
+    all ranks).
 
     ``model``: the same module built on every rank; ``optimizer_class``: a torch optimizer
-    class (not an instance), built over the shard with ``**optimizer_kwargs``. The trainable
+    class (not an instance), built over the shard with ``**optimizer_kwargs``. None: the
+    engine builds none; build yours over ``[engine.shard]`` (this rank's shard, a Parameter)
+    and call, each step, ``engine.zero_grad()``, backward,
+    ``engine.finish_gradient_synchronization()`` and your ``optimizer.step()``: the next
+    forward (or ``full_parameters()``) all-gathers the updated shards first. The trainable
     parameters must share one floating dtype and device. Call the engine like the model,
     then ``step()`` after ``loss.backward()``, and ``zero_grad()`` on the engine (not on the
     model: module gradients are views into the engine's flat buffer). ``bucket_cap_mb``
@@ -103,7 +108,7 @@ group from ``dist.new_group``, e.g. the data-parallel axis of a grid; default: a
     reduce-scatters, all-gathers) stays inside it, rank r being the place in the group.
     """
 
-    def __init__(self, model, optimizer_class, stage=2, bucket_cap_mb=None, offload=False, group=None,
+    def __init__(self, model, optimizer_class=None, stage=2, bucket_cap_mb=None, offload=False, group=None,
                  **optimizer_kwargs):
         super().__init__()
         if stage not in STAGES:
@@ -112,7 +117,11 @@ group from ``dist.new_group``, e.g. the data-parallel axis of a grid; default: a
                 "sharded too) is parlab.zero.FSDP(model, optimizer_class, strategy='FULL_SHARD')."
             )
         _checks.module("model", model, "pass the model to shard, built the same on every rank.")
-        _checks.optimizer_class(optimizer_class)
+        if optimizer_class is not None:
+            _checks.optimizer_class(optimizer_class)
+        elif optimizer_kwargs:
+            raise ValueError(f"optimizer options {sorted(optimizer_kwargs)} need an optimizer_class: pass one, or "
+                             "drop them and give them to the optimizer you build over [engine.shard].")
         if bucket_cap_mb is not None and stage != 2:
             raise ValueError(f"bucket_cap_mb is for stage 2, which reduce-scatters its gradients in buckets during "
                              f"backward; stage {stage} reduce-scatters the whole flat gradient after it: drop it.")
@@ -146,7 +155,8 @@ group from ``dist.new_group``, e.g. the data-parallel axis of a grid; default: a
         # engine.parameters() are the model's, the shard is the optimizer's handle on them.
         object.__setattr__(self, "shard", torch.nn.Parameter(mine))
         self.offload_bytes = {}  # bytes each copy of the last step moved between device and host
-        self.optimizer = optimizer_class([self.shard], **optimizer_kwargs)
+        self.optimizer = None if optimizer_class is None else optimizer_class([self.shard], **optimizer_kwargs)
+        self.gather_pending = False  # the caller's optimizer may have stepped the shard: gather before use
         self.flat_grad, self.buckets, self.peak_gradient_bytes = None, None, 0
         self.synchronized = False  # finish_gradient_synchronization ran since the last step or zero_grad
         if stage == 2:
@@ -160,6 +170,8 @@ group from ``dist.new_group``, e.g. the data-parallel axis of a grid; default: a
         return f"stage={self.stage}, {self.layout}"
 
     def forward(self, *args, **kwargs):
+        if self.gather_pending:
+            self._share_parameters()
         with trace.span("forward"):
             return self.module(*args, **kwargs)
 
@@ -174,10 +186,18 @@ group from ``dist.new_group``, e.g. the data-parallel axis of a grid; default: a
         parameter shard comes back before the all-gather. The averaging is
         ``finish_gradient_synchronization`` (unless called already since the backward).
         """
+        if self.optimizer is None:
+            raise ValueError("this ZeroDP was built without an optimizer (optimizer_class=None): call step() on the "
+                             "optimizer you built over [engine.shard], after engine.finish_gradient_synchronization().")
         if not self.synchronized:
             self.finish_gradient_synchronization()
         with trace.span("optimizer"):
             self.optimizer.step()
+        self._share_parameters()
+        self.synchronized = False
+
+    def _share_parameters(self):
+        """After the optimizer step: the shard back to the device (offload), then the all-gather."""
         if self.offload:
             with trace.span("parameters to device"), torch.no_grad():
                 self.layout.shard(self.flat_param, self.rank).copy_(self.shard)
@@ -185,7 +205,7 @@ group from ``dist.new_group``, e.g. the data-parallel axis of a grid; default: a
         if self.stage > 0:
             with trace.span("all-gather parameters"):
                 collectives.ring_all_gather(self.flat_param, check=False, group=self.group)
-        self.synchronized = False
+        self.gather_pending = False
 
     def finish_gradient_synchronization(self):
         """The first half of ``step``, as DDP's method of that name: after the step's last
@@ -214,7 +234,7 @@ group from ``dist.new_group``, e.g. the data-parallel axis of a grid; default: a
         else:
             self.shard.grad = averaged
         self._measure_gradients()
-        self.synchronized = True
+        self.synchronized, self.gather_pending = True, self.optimizer is None
 
     def zero_grad(self):
         """Zero the gradients for the next step: stages 0, 1 zero the flat gradient buffer in
@@ -256,10 +276,14 @@ group from ``dist.new_group``, e.g. the data-parallel axis of a grid; default: a
         return measure_model_state([self.shard], [self.shard.grad], self._states())
 
     def _states(self):
-        return [value for state in self.optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
+        states = self.optimizer.state.values() if self.optimizer is not None else []
+        return [value for state in states for value in state.values() if torch.is_tensor(value)]
 
     def full_parameters(self):
-        """{name: full parameter}, frozen ones included: every rank holds them all already."""
+        """{name: full parameter}, frozen ones included: every rank holds them all already
+        (after the all-gather a caller's optimizer step left pending)."""
+        if self.gather_pending:
+            self._share_parameters()
         return {name: p.detach().clone() for name, p in self.module.named_parameters()}
 
     def _check_gradients(self):
