@@ -9,6 +9,9 @@ really holds (measured from its tensors' storages), and the activations of a tra
     storage_bytes(tensors), measure_model_state(params, grads, opt) measured on this rank
     fits(state, device_bytes)                                       does it fit on one device?
 
+What parlab's engines hold beyond the paper's table (stage 2's peak of gradient bytes during
+backward, ZeRO-Offload's device/host split): ``parlab.zero.formulas``.
+
 Model states, per parameter, in mixed-precision Adam: 2 bytes of 16-bit parameters, 2 bytes
 of 16-bit gradients and kappa = 12 bytes of optimizer state (fp32 master parameters,
 momentum and variance, 4 bytes each; the ZeRO paper writes K for kappa, and K counts

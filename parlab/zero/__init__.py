@@ -11,7 +11,10 @@ with ``parlab.memory.model_state_bytes``. ``parlab.flat`` is the sharding they s
 ``parlab.zero.buckets`` is stage 2's reduce-scatter during backward; ``ZeroDP(...,
 offload=True)`` keeps the optimizer's shard and state on the host (ZeRO-Offload);
 ``FSDP.no_sync()`` accumulates gradients without communication; ``parlab.zero.checkpoint``
-saves and loads full and sharded checkpoints.
+saves and loads full and sharded checkpoints; ``parlab.zero.formulas`` has the bytes stage 2
+and offload hold. In ordinary torch code: ``ZeroDP(..., group=)`` works on a process group
+(a grid's data-parallel axis); both engines take ``optimizer_class=None`` (your optimizer over
+``[engine.shard]`` or ``fsdp.parameters()``) and ``finish_gradient_synchronization()``, as DDP.
 """
 
 import importlib
