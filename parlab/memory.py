@@ -82,7 +82,7 @@ def model_state_bytes(psi, stage, n_d, kappa=12, param_bytes=2, grad_bytes=2):
     computed (stage 3) are not model states and are not counted.
     """
     _check_sizes(psi=psi, kappa=kappa, param_bytes=param_bytes, grad_bytes=grad_bytes)
-    _check_stage(stage)
+    check_stage(stage)
     _check_ranks(n_d)
     return ModelState(
         params=param_bytes * psi / (n_d if stage >= 3 else 1),
@@ -101,7 +101,7 @@ def communication_volume(psi, stage):
     and the gradients reduce-scattered.
     """
     _check_sizes(psi=psi)
-    _check_stage(stage)
+    check_stage(stage)
     return 3 * psi if stage == 3 else 2 * psi
 
 
@@ -235,7 +235,9 @@ def transformer_activation_bytes(s, b, h, a, layers=1, recompute=None, t=1, sequ
                                 s b h (34 / t + 5 a s / (h t))       tensor + sequence parallel
         recompute="selective"   the same without the 5 a s / h attention term (the softmax,
                                 its dropout mask and the attention over values are recomputed)
-        recompute="full"        2 s b h                              only the layer's input
+        recompute="full"        2 s b h                              only the layer's input;
+                                2 s b h / t with sequence parallelism, whose input is itself
+                                split along s (the paper's table writes 2 s b h for every t)
 
     The 34 s b h: the attention block's input, Q, K, V, the output projection's input and a
     dropout mask (11), the MLP (19), the two layer norms' inputs (4); the 5 a s^2 b: the
@@ -250,7 +252,7 @@ def transformer_activation_bytes(s, b, h, a, layers=1, recompute=None, t=1, sequ
     if recompute not in (None, "selective", "full"):
         raise ValueError(f'recompute must be None, "selective" or "full", got {recompute!r}.')
     if recompute == "full":
-        return 2 * s * b * h * layers
+        return 2 * s * b * h * layers / (t if sequence_parallel else 1)
     linear = 34 / t if sequence_parallel else 10 + 24 / t
     attention = 0 if recompute == "selective" else 5 * a * s / (h * t)
     return s * b * h * (linear + attention) * layers
@@ -302,7 +304,8 @@ def _count_unique_storages(tensors, seen):
     return total
 
 
-def _check_stage(stage):
+def check_stage(stage):
+    """Refuse anything but a ZeRO stage 0-3 with a ValueError saying so."""
     if isinstance(stage, bool) or stage not in STAGES:
         raise ValueError(f"stage must be a ZeRO stage 0, 1, 2 or 3 (0 is plain data parallelism), got {stage!r}: "
                          "pick one of them.")

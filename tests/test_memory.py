@@ -230,6 +230,8 @@ def test_transformer_activation_bytes_by_hand():
     assert transformer_activation_bytes(4, 2, 8, 2, layers=3) == 3 * 64 * 39
     assert transformer_activation_bytes(4, 2, 8, 2, recompute="selective") == 64 * 34
     assert transformer_activation_bytes(4, 2, 8, 2, recompute="full") == 64 * 2
+    # with sequence parallelism the one input kept is itself split along s
+    assert transformer_activation_bytes(4, 2, 8, 2, recompute="full", t=2, sequence_parallel=True) == 64 * 2 / 2
     assert transformer_activation_bytes(4, 2, 8, 2, t=2) == 64 * (10 + 12 + 2.5)
     assert transformer_activation_bytes(4, 2, 8, 2, t=2, sequence_parallel=True) == 64 * (17 + 2.5)
     assert transformer_activation_bytes(4, 2, 8, 2, t=2, sequence_parallel=True, recompute="selective") == 64 * 17

@@ -94,11 +94,11 @@ def test_learner_errors():
         zero_step_holdings(2, 0, n_d=0)
     with pytest.raises(ValueError, match="whole number from 1 to 8, got 9: the step-through draws 1 to 8 ranks"):
         plot_zero_step(2, 0, n_d=9)
-    with pytest.raises(ValueError, match="ZeRO stage 0, 1, 2 or 3, got 5"):
+    with pytest.raises(ValueError, match="ZeRO stage 0, 1, 2 or 3 .*got 5"):
         plot_zero_steps(5)  # was a KeyError
     with pytest.raises(ValueError, match="whole number from 1 to 8, got 2.5"):
         plot_zero_steps(2, n_d=2.5)
-    with pytest.raises(ValueError, match="ZeRO stage 0, 1, 2 or 3, got '2'"):
+    with pytest.raises(ValueError, match="ZeRO stage 0, 1, 2 or 3 .*got '2'"):
         zero_step_widget(stage="2")  # was a TraitError of the dropdown
     with pytest.raises(ValueError, match="got 9"):
         zero_step_widget(n_d=9)

@@ -57,9 +57,10 @@ from parlab.memory import (
     STAGES,
     ModelState,
     Precision,
-    _check_stage,
+    check_stage,
     model_state_bytes,
     ring_communication_seconds,
+    transformer_activation_bytes,
 )
 from parlab.pipeline import bubble_formula
 from parlab.plan.inputs import GIB, Batch, Cluster, Model
@@ -137,7 +138,7 @@ def plans(model, batch, cluster, precision=MIXED_ADAM, efficiency=0.5, sequence_
         raise ValueError(f"precision must be a parlab.memory.Precision, got {precision!r}: e.g. "
                          "parlab.memory.MIXED_ADAM (kappa = 12, 2-byte parameters and gradients) or FP32_ADAM.")
     for stage in zero_stages:
-        _check_stage(stage)
+        check_stage(stage)
     every = [_assess(model, batch, cluster, precision, efficiency, sequence_parallel, max_bubble, tensor_across_nodes,
                      N_d, t, K, zero, b, recompute)
              for N_d, t, K in grids(cluster.gpus) for zero in zero_stages
@@ -160,15 +161,13 @@ def plan_memory(model, plan, precision=MIXED_ADAM, sequence_parallel=True):
     """``Memory`` of one GPU of ``plan`` (a ``Plan``; its estimates are not read), by the
     module docstring's formula, e.g. ``plan_memory(model, Plan(8, 1, 1, zero=1, b=4, M=2,
     recompute=False))``."""
-    # korthikanti_bytes's module imports torch; the rest of the planner is arithmetic.
-    from parlab.tensor_parallel.activations import korthikanti_bytes
-
     N_d, t, K, zero, b, M, recompute = _layout(model, plan)
     states = model_state_bytes(model.psi / (t * K), zero, N_d, *precision)
-    layer = korthikanti_bytes(model.s, b, model.h, model.a, t, sequence_parallel, recompute)
+    layer = transformer_activation_bytes(model.s, b, model.h, model.a, 1, "full" if recompute else None, t,
+                                         sequence_parallel)
     activations = layer * (model.L // K) * min(K, M)
     if recompute:
-        activations += korthikanti_bytes(model.s, b, model.h, model.a, t, sequence_parallel)
+        activations += transformer_activation_bytes(model.s, b, model.h, model.a, 1, None, t, sequence_parallel)
     return Memory(states, activations)
 
 

@@ -43,19 +43,18 @@ import weakref
 
 import torch
 
+from parlab.memory import transformer_activation_bytes
+
 __all__ = ["korthikanti_bytes", "layer_saved_bytes", "layer_bytes", "dropout_mask_bytes", "SavedBytes",
            "measure_saved_bytes", "checkpoint_peak_units", "measure_checkpointed_chain"]
 
 
 def korthikanti_bytes(s, b, h, a, t=1, sequence_parallel=False, recompute=False):
-    """Bytes of activations per layer in Korthikanti et al.'s formulas (module docstring)."""
+    """Bytes of activations per layer in Korthikanti et al.'s formulas (module docstring):
+    ``parlab.memory.transformer_activation_bytes``, the one place they are written, with
+    ``recompute`` True for full recompute."""
     _check_sizes(s, b, h, a, t)
-    if recompute:
-        return 2 * s * b * h / (t if sequence_parallel else 1)
-    attention = 5 * a * s / (h * t)
-    if sequence_parallel:
-        return s * b * h * (34 / t + attention)
-    return s * b * h * (10 + 24 / t + attention)
+    return transformer_activation_bytes(s, b, h, a, 1, "full" if recompute else None, t, sequence_parallel)
 
 
 def layer_saved_bytes(s, b, h, a, t=1, sequence_parallel=False, recompute=False, value_bytes=4, mask_bytes=1,

@@ -42,6 +42,7 @@ all-reduce to between its two halves, where each rank has the averaged gradient 
 """
 
 from parlab._checks import whole_number
+from parlab.memory import check_stage
 from parlab.widgets._common import FIT, Feedback, import_ipywidgets, in_range, png, show_static
 from parlab.widgets.memory import PART_LABELS, PARTS, STAGE_LABELS
 
@@ -73,7 +74,7 @@ def zero_step_holdings(stage, phase, n_d=4):
     ``STEP_PHASES[stage]``) of one training step at ZeRO stage ``stage``: a list, rank r at
     index r, of {"params": labels, "grads": labels, "optimizer": labels}, each a tuple of N_d
     labels, one per shard (module docstring), None where the rank does not hold the shard."""
-    _check_stage(stage)
+    check_stage(stage)
     if not 0 <= phase < len(STEP_PHASES[stage]):
         raise ValueError(f"stage {stage} has phases 0 to {len(STEP_PHASES[stage]) - 1} (STEP_PHASES[{stage}]), "
                          f"got phase={phase!r}.")
@@ -151,7 +152,7 @@ def plot_zero_steps(stage, n_d=4):
     ``STEP_PHASES[stage]``, two panels a row. Returns the figure."""
     import matplotlib.pyplot as plt
 
-    _check_stage(stage)
+    check_stage(stage)
     _check_drawable(n_d)
     count = len(STEP_PHASES[stage])
     width, height = _figsize(n_d)
@@ -170,7 +171,7 @@ def zero_step_widget(n_d=4, stage=2):
     the phase (1 to the stage's number of phases) redraw ``plot_zero_step``. Displays a static
     picture of the first phase (kept by a saved notebook) and returns an ipywidgets VBox;
     without ipywidgets, warns and returns ``plot_zero_steps(stage, n_d)``."""
-    _check_stage(stage)
+    check_stage(stage)
     _check_drawable(n_d)
     widgets = import_ipywidgets()
     if widgets is None:
@@ -193,11 +194,6 @@ def zero_step_widget(n_d=4, stage=2):
     redraw()
     show_static(image.value, f"ZeRO stage {stage}, phase 1, on {n_d} ranks")
     return widgets.VBox([widgets.HBox([stages, phase]), feedback.box, image])
-
-
-def _check_stage(stage):
-    if isinstance(stage, bool) or stage not in STEP_PHASES:
-        raise ValueError(f"stage must be a ZeRO stage 0, 1, 2 or 3, got {stage!r}.")
 
 
 def _check_drawable(n_d):
