@@ -22,9 +22,9 @@ slices: one all-reduce of the output (b, s, h) forward, one of the input's gradi
 The constructors (provided) copy this rank's slice of a full ``nn.Linear``. Communicate only
 with ``all_reduce`` below (parlab's ring, traced: the grader counts your all-reduces).
 
-Mixed precision: ``DynamicLossScaler`` multiplies the loss by a scale S before backward, so
-that small fp16 gradients do not underflow, and divides the gradients by S before the
-optimizer step. When a gradient holds an inf or a nan the step is skipped and S is
+Mixed precision: ``DynamicLossScaler`` multiplies the loss by a scale sigma before backward, so
+that small fp16 gradients do not underflow, and divides the gradients by sigma before the
+optimizer step. When a gradient holds an inf or a nan the step is skipped and sigma is
 multiplied by ``backoff_factor``; after ``growth_interval`` good steps in a row it is
 multiplied by ``growth_factor``. Given the same overflows it follows the scale sequence of
 ``torch.amp.GradScaler`` (its ``get_scale()`` after each ``update()``): exactly with
@@ -118,7 +118,7 @@ class DynamicLossScaler:
         scaler.scale_loss(loss).backward()
         scaler.step(optimizer, parameters)   # provided: unscale_, step unless inf/nan, update
 
-    Attributes: ``scale`` (S, a Python float, starts at ``init_scale``) and ``good_steps``
+    Attributes: ``scale`` (sigma, a Python float, starts at ``init_scale``) and ``good_steps``
     (steps since the last overflow or growth, GradScaler's growth tracker)."""
 
     def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
@@ -129,13 +129,13 @@ class DynamicLossScaler:
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
 
     def scale_loss(self, loss):
-        """loss x S."""
+        """loss x sigma."""
         # BEGIN SOLUTION: multiply
         return loss * self.scale
         # END SOLUTION
 
     def unscale_(self, parameters):
-        """Divide every gradient of ``parameters`` (those that have one) by S, in place.
+        """Divide every gradient of ``parameters`` (those that have one) by sigma, in place.
         Returns True when any gradient holds an inf or a nan (found_inf)."""
         # BEGIN SOLUTION: divide, and look for inf/nan
         found_inf = False
@@ -147,9 +147,9 @@ class DynamicLossScaler:
         # END SOLUTION
 
     def update(self, found_inf):
-        """After a step: on an overflow, S <- S x backoff_factor and the count of good steps
+        """After a step: on an overflow, sigma <- sigma x backoff_factor and the count of good steps
         restarts at 0; otherwise one more good step, and at ``growth_interval`` of them
-        S <- S x growth_factor and the count restarts at 0."""
+        sigma <- sigma x growth_factor and the count restarts at 0."""
         # BEGIN SOLUTION: back off or grow
         if found_inf:
             self.scale *= self.backoff_factor
@@ -163,7 +163,7 @@ class DynamicLossScaler:
 
     def step(self, optimizer, parameters):
         """Provided: unscale, take the optimizer's step unless a gradient overflowed, update
-        S. Returns True when the step was taken."""
+        sigma. Returns True when the step was taken."""
         found_inf = self.unscale_(list(parameters))
         if not found_inf:
             optimizer.step()
