@@ -14,7 +14,9 @@ offload=True)`` keeps the optimizer's shard and state on the host (ZeRO-Offload)
 saves and loads full and sharded checkpoints; ``parlab.zero.formulas`` has the bytes stage 2
 and offload hold. In ordinary torch code: ``ZeroDP(..., group=)`` works on a process group
 (a grid's data-parallel axis); both engines take ``optimizer_class=None`` (your optimizer over
-``[engine.shard]`` or ``fsdp.parameters()``) and ``finish_gradient_synchronization()``, as DDP.
+``[engine.shard]`` or ``fsdp.parameters()``) and ``finish_gradient_synchronization()``, as DDP;
+``ShardedOptimizer(params, torch.optim.Adam, lr=...)`` is stage 1 as a torch optimizer, for
+gradients averaged already (after DDP).
 """
 
 import importlib
@@ -22,6 +24,7 @@ import importlib
 _PUBLIC = {
     "ZeroDP": "parlab.zero.stages",
     "FSDP": "parlab.zero.fsdp",
+    "ShardedOptimizer": "parlab.zero.sharded_optimizer",
     "min_params": "parlab.zero.units",
     "init_by_unit": "parlab.zero.units",
 }
