@@ -208,6 +208,45 @@ def test_same_parameters_as_torch_fully_shard_on_gloo(cluster2):
                       "2 x the band, as both are within it of one process")
 
 
+def trained_with_vectors_replicated():
+    """FSDP per layer with every 1-D parameter (biases, the norm, the scale) left replicated:
+    its full parameters, memory at rest, units and replicated Parameters; and a replicate
+    that is not a function."""
+    def one_dimensional(name, p):
+        return p.ndim == 1
+
+    engine = FSDP(build(seed=dist.get_rank()), torch.optim.Adam, wrap_policy="per_layer", replicate=one_dimensional,
+                  **ADAM[1])
+    train(engine)
+    units = [(unit.name, unit.layout.world_size, unit.layout.padded_numel) for unit in engine.units]
+    replicated = {name: p.detach().clone() for name, p in engine.module.named_parameters()
+                  if name.endswith("flat_replicated")}
+    try:
+        FSDP(build(seed=0), torch.optim.Adam, replicate="norm", **ADAM[1])
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    return engine.full_parameters(), engine.model_state_bytes(), units, replicated, refused
+
+
+@pytest.mark.timeout(90)
+def test_replicated_parameters_stay_whole_and_train_like_one_process(cluster2):
+    results = cluster2.run(trained_with_vectors_replicated, timeout=90)
+    vectors = sum(p.numel() for p in build(seed=0).parameters() if p.ndim == 1)
+    for rank, (parameters, memory, units, replicated, refused) in enumerate(results):
+        assert_equivalent(parameters, reference("adam"), ring_arithmetic("adam", 2), f"rank {rank}, replicate")
+        whole = [(name, numel) for name, S, numel in units if S == 1]
+        assert {name for name, _ in whole} == {"flat_replicated", "block.0.flat_replicated",
+                                               "block.2.flat_replicated", "norm.flat_replicated"}
+        assert sum(numel for _, numel in whole) == vectors  # kept whole: no padding, no shard
+        sharded = sum(numel // 2 for _, S, numel in units if S == 2)
+        assert memory.params == 4 * (vectors + sharded)  # at rest: the replicated whole, the rest's shards
+        assert replicated.keys() == {name for name, _ in whole}
+        assert refused is not None and "function (name, parameter)" in refused
+    for name, tensor in results[0][3].items():
+        assert torch.equal(tensor, results[1][3][name]), f"{name}: the replicas differ"
+
+
 # --- memory at rest and traffic --------------------------------------------------------------
 
 

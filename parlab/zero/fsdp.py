@@ -66,8 +66,14 @@ shard gradients (communication every backward). Inside ``with engine.no_sync():`
 does not reduce: each unit keeps its full flat gradient (padded Psi_u elements in the compute
 dtype; autograd sums the micro-batches into it) and the first backward outside reduce-scatters
 the sum once, as torch's ``no_sync`` (one reduction per step, the full gradients' memory while
-accumulating). ``engine.close()`` destroys the process groups HYBRID_SHARD made. Limits: every
-trainable parameter is sharded (frozen ones raise ValueError); a unit's parameters may be used
+accumulating). ``engine.close()`` destroys the process groups HYBRID_SHARD made.
+
+Replicated parameters (``replicate=fn``, fn(name, parameter) -> bool, e.g. ``lambda name, p:
+p.ndim == 1`` for norms and biases): a unit's parameters that fn picks form a unit of their own
+on the same module, NO_SHARD over all N_d ranks whatever the strategy: whole on every rank, their
+gradient ring all-reduced (averaged) during backward, stepped alike by every rank's optimizer;
+that module registers them as the Parameter ``flat_replicated``. Limits: every trainable
+parameter is sharded or replicated (frozen ones raise ValueError); a unit's parameters may be used
 only inside that unit's forward (tied weights belong to the unit around all their uses).
 Checkpoints (full and sharded state dicts, files): ``parlab.zero.checkpoint``.
 """
@@ -84,10 +90,11 @@ from parlab import _checks, p2p, runtime, trace
 from parlab.collectives import ring_all_gather, ring_allreduce, ring_reduce_scatter
 from parlab.flat import FlatLayout
 from parlab.memory import measure_model_state
-from parlab.zero.units import materialize_unit, plan_units
+from parlab.zero.strategies import STRATEGIES, _process_groups, _shard_group_size  # noqa: F401 - STRATEGIES: imported from here by parlab.bench
+from parlab.zero.units import UnitPlan, materialize_unit, plan_units
 
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 SHARD_NAME = "flat_shard"  # each unit's module registers its shard under this name
+REPLICATED_NAME = "flat_replicated"  # and its replicated parameters (FSDP(..., replicate=fn)) under this one
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -106,10 +113,13 @@ class FSDP(nn.Module):
     ``parlab.zero.units``. ``mixed_precision``: None, torch.bfloat16 or torch.float16.
     ``cpu_offload``: shards, gradients and optimizer state in CPU memory. ``init_fn(module)``
     initialises one module of a model built on the meta device (default
-    ``module.reset_parameters()``), with the generator seeded ``init_seed`` + unit index."""
+    ``module.reset_parameters()``), with the generator seeded ``init_seed`` + unit index.
+    ``replicate(name, parameter)`` (optional): true for the parameters to keep whole on every
+    rank (module docstring, "Replicated parameters")."""
 
     def __init__(self, model, optimizer_class=None, strategy="FULL_SHARD", wrap_policy=None, mixed_precision=None,
-                 cpu_offload=False, init_fn=None, init_seed=0, shard_group_size=None, **opt_kwargs):
+                 cpu_offload=False, init_fn=None, init_seed=0, shard_group_size=None, replicate=None,
+                 **opt_kwargs):
         super().__init__()
         _checks.module("model", model, "pass the model to shard, built the same on every rank (or on the meta device).")
         if optimizer_class is not None:
@@ -122,6 +132,9 @@ class FSDP(nn.Module):
         if mixed_precision not in (None, *LOW_PRECISION):
             raise ValueError(f"mixed_precision must be None, torch.bfloat16 or torch.float16, got {mixed_precision!r}.")
         deferred = any(p.is_meta for p in model.parameters())
+        if replicate is not None and deferred:
+            raise ValueError("replicate= needs a materialised model (its units split after initialisation): build "
+                             "the model on a real device, or drop replicate.")
         if init_fn is not None and not deferred:
             raise ValueError("init_fn initialises a model built on the meta device; this model is materialised "
                              "already: drop init_fn, or build the model under `with torch.device('meta'):`.")
@@ -129,8 +142,8 @@ class FSDP(nn.Module):
         # A plain model's state_dict and optimizer name and number its parameters this way:
         self.parameter_aliases = {alias: next(n for n, q in names.items() if q is p) for alias, p in names.items()}
         self.parameter_index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
-        plans = plan_units(model, wrap_policy)
-        if not plans or any(not p.requires_grad for plan in plans for p in plan.parameters):
+        plans = _split_replicated(plan_units(model, wrap_policy), replicate)
+        if not plans or any(not p.requires_grad for plan, _ in plans for p in plan.parameters):
             raise ValueError("FSDP shards trainable parameters: the model needs some, and none frozen "
                              "(requires_grad=False); unfreeze them or keep frozen ones out of the model.")
         self.strategy, self.world_size, self.shard_group_size = strategy, N, S
@@ -140,12 +153,13 @@ class FSDP(nn.Module):
         groups = _process_groups(N, S)  # (shard group, replicate group)
         self.process_groups = [group for group, _ in groups if group is not None]  # made here: close() ends them
         self.units = []
-        for index, plan in enumerate(plans):
+        for index, (plan, replicated) in enumerate(plans):
             if deferred:
                 with torch.no_grad():
                     materialize_unit(plan, index, device, init_fn, init_seed)
-            self.units.append(FlatUnit(plan, index, groups, device, mixed_precision or torch.float32,
-                                       torch.device("cpu") if cpu_offload else device))
+            self.units.append(FlatUnit(plan, index, ((None, 1), (None, N)) if replicated else groups, device,
+                                       mixed_precision or torch.float32, torch.device("cpu") if cpu_offload else device,
+                                       replicated))
         if any(buffer.is_meta for buffer in model.buffers()):
             raise ValueError("buffers of modules without parameters stay on the meta device: create them "
                              "on a real device, or give them to a module that has parameters.")
@@ -249,7 +263,7 @@ class FlatUnit:
     dtype, whose storage is allocated only while the unit is gathered (a leaf: the module's
     parameters are views of it, so its ``.grad`` is the unit's flat gradient)."""
 
-    def __init__(self, plan, index, groups, device, compute_dtype, shard_device):
+    def __init__(self, plan, index, groups, device, compute_dtype, shard_device, replicated=False):
         self.name, self.index, self.module, self.device = plan.name, index, plan.module, device
         self.names, self.slots = plan.names, plan.slots
         (self.shard_group, S), (self.replicate_group, self.replicas) = groups
@@ -268,7 +282,7 @@ class FlatUnit:
             for module, attribute in slots:
                 del module._parameters[attribute]
         # torch-style code looks for what is trained in module.named_parameters(): the shard
-        self.module.register_parameter(SHARD_NAME, self.shard)
+        self.module.register_parameter(REPLICATED_NAME if replicated else SHARD_NAME, self.shard)
         plan.parameters.clear()  # the unit's full copy goes now, before the next unit's
         self.set_views()
         self.free()
@@ -335,36 +349,23 @@ class FlatUnit:
         return flat
 
 
-def _shard_group_size(strategy, N, shard_group_size):
-    if not isinstance(strategy, str) or strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}; got {strategy!r}: pick one "
-                         "(FULL_SHARD is ZeRO stage 3).")
-    if shard_group_size is not None and strategy != "HYBRID_SHARD":
-        raise ValueError(f"shard_group_size is for HYBRID_SHARD; {strategy} shards over "
-                         f"{'1 rank' if strategy == 'NO_SHARD' else 'all ranks'}: drop the argument.")
-    if strategy != "HYBRID_SHARD":
-        return 1 if strategy == "NO_SHARD" else N
-    if shard_group_size is None:
-        if N % 2:
-            raise ValueError(f"HYBRID_SHARD shards within groups of N_d / 2 ranks and replicates across 2, so it "
-                             f"needs an even number of ranks, not {N}: use an even world size, pass "
-                             f"shard_group_size=S with S dividing {N}, or use FULL_SHARD.")
-        return N // 2
-    _checks.whole_number("shard_group_size", shard_group_size, "give the number of ranks of one shard group.")
-    if N % shard_group_size:
-        raise ValueError(f"shard_group_size must divide the world size {N} (groups of equal size); "
-                         f"got {shard_group_size}.")
-    return shard_group_size
-
-
-def _process_groups(N, S):
-    """((shard group, S), (replicate group, N / S)) of this rank: ranks [g S, (g + 1) S) shard
-    together, ranks i, i + S, i + 2 S, ... replicate. A group of all N ranks is None (the
-    default group); one of 1 rank is never used. Every rank creates every group, as
-    dist.new_group requires."""
-    if S in (1, N):
-        return (None, S), (None, N // S)
-    rank = dist.get_rank()
-    shard_groups = [dist.new_group(list(range(g * S, (g + 1) * S))) for g in range(N // S)]
-    replicate_groups = [dist.new_group(list(range(i, N, S))) for i in range(S)]
-    return (shard_groups[rank // S], S), (replicate_groups[rank % S], N // S)
+def _split_replicated(plans, replicate):
+    """[(plan, replicated)]: each unit's plan, and after it a plan on the same module of the
+    parameters ``replicate(name, parameter)`` picks (each only if it has parameters)."""
+    if replicate is None:
+        return [(plan, False) for plan in plans]
+    if not callable(replicate):
+        raise ValueError(f"replicate must be a function (name, parameter) -> bool picking the parameters to keep "
+                         f"whole on every rank, e.g. lambda name, p: p.ndim == 1; got {replicate!r}.")
+    split = []
+    for plan in plans:
+        # the replicated unit is named as its Parameter (unit names key sharded checkpoints)
+        parts = {False: UnitPlan(plan.name, plan.module),
+                 True: UnitPlan(f"{plan.name}.{REPLICATED_NAME}".lstrip("."), plan.module)}
+        for name, p, slots in zip(plan.names, plan.parameters, plan.slots):
+            part = parts[bool(replicate(name, p))]
+            part.names.append(name)
+            part.parameters.append(p)
+            part.slots.append(slots)
+        split += [(part, replicated) for replicated, part in parts.items() if part.parameters]
+    return split
