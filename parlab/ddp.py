@@ -26,6 +26,18 @@ both, which is why it is torch's ``DistributedDataParallel``.
 Communication is traced: each all-reduce records one "all_reduce" comm event (bytes of the
 bucket, start at launch, end when waited for), so ``cluster.trace`` shows how many
 all-reduces a step makes, in what order, and whether they overlap backward.
+
+The engines share one set of method names (DDP; ZeroDP and FSDP of ``parlab.zero``;
+``parlab.zero.ShardedOptimizer`` is an optimizer, used after DDP):
+
+    method                               DDP                     ZeroDP, FSDP
+    engine(x)                            the module's forward    the same (FSDP gathers units)
+    finish_gradient_synchronization()    wait for the averages   ZeroDP: reduce-scatter; FSDP: nothing left
+    step()                               none: optimizer.step()  the engine's optimizer (if built with one)
+    zero_grad()                          the module's gradients  the engine's gradients
+    no_sync()                            accumulate locally      FSDP accumulates locally
+    full_parameters()                    {name: parameter}       {name: full parameter}, gathered
+    model_state_bytes()                  params, grads, buckets  the rank's shards and state
 """
 
 import functools
@@ -37,6 +49,7 @@ import torch.distributed as dist
 
 from parlab import background, collectives, p2p, trace
 from parlab._checks import real_number
+from parlab.memory import measure_model_state
 from parlab.runtime import emulation
 
 # variant -> (the bucket cap in MiB, launched during backward?). A cap of 0 gives every
@@ -209,6 +222,18 @@ class DDP(torch.nn.Module):
             bucket.copy_gradients_out(reduced)
             bucket.ready, bucket.reduction = 0, None
         self.launched = 0
+
+    def full_parameters(self):
+        """{name: parameter}, frozen ones included: a copy of this rank's replica (equal on every
+        rank), as ZeroDP's and FSDP's ``full_parameters()`` give theirs."""
+        return {name: p.detach().clone() for name, p in self.module.named_parameters()}
+
+    def model_state_bytes(self):
+        """The ``parlab.memory.ModelState`` of this rank, measured: params = the whole replica,
+        grads = the module's gradients and the buckets' flat buffers (each bucket's copy of its
+        gradients: 4 Psi more in fp32), optimizer = 0 (DDP holds no optimizer: yours does)."""
+        grads = [p.grad for p in self.module.parameters()] + [bucket.buffer for bucket in self.buckets]
+        return measure_model_state(self.module.parameters(), grads, [])
 
     @contextmanager
     def no_sync(self):

@@ -337,6 +337,34 @@ def test_buffers_come_from_rank_0_at_construction_and_at_each_forward(cluster2):
 
 
 @pytest.mark.timeout(10)
+def trained_replica_and_its_bytes():
+    model = build_model(seed=dist.get_rank())
+    ddp = DDP(model, "bucketed", bucket_cap_mb=0.0002)  # several buckets
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for _ in range(2):
+        ddp.zero_grad()
+        loss_on(ddp, *my_shard()).backward()
+        ddp.finish_gradient_synchronization()
+        optimizer.step()
+    return ddp.full_parameters(), {name: p.detach().clone() for name, p in model.named_parameters()}, \
+        ddp.model_state_bytes(), len(ddp.buckets)
+
+
+@pytest.mark.timeout(60)
+def test_full_parameters_and_model_state_bytes_as_the_other_engines(cluster2):
+    (full0, own0, memory, buckets), (full1, _, memory1, _) = cluster2.run(trained_replica_and_its_bytes, timeout=60)
+    assert buckets > 1
+    assert full0.keys() == own0.keys() == {name for name, _ in build_model(0).named_parameters()}
+    for name in own0:
+        assert torch.equal(full0[name], own0[name]) and torch.equal(full0[name], full1[name]), name
+    trainable, frozen = EMBEDDING + HIDDEN + BIAS, (DIM * DIM + DIM) * 4
+    assert memory == memory1
+    assert (memory.params, memory.grads, memory.optimizer) == (trainable + frozen, 2 * trainable, 0)
+    for engine in (DDP, parlab.zero.ZeroDP, parlab.zero.FSDP):  # the names of parlab.ddp's table
+        for method in ("finish_gradient_synchronization", "zero_grad", "full_parameters", "model_state_bytes"):
+            assert callable(getattr(engine, method, None)), f"{engine.__name__}.{method}"
+
+
 def test_learner_mistakes_are_explained():
     with pytest.raises(ValueError, match=r"bucket_cap_mb .* must be above 0"):
         DDP(TiedToy(), bucket_cap_mb=0)
