@@ -146,6 +146,26 @@ def test_each_step_all_gathers_the_shards_through_parlabs_ring(world, request):
     assert step == [sum((N - 1) * numel // N * 4 for numel in padded)] * N  # one ring all-gather per group
 
 
+def one_sgd_step_in_pairs():
+    """Ranks {0, 1} and {2, 3} each a group: every rank's replica from its own seed, every
+    gradient ones; one SGD step of lr 0.5."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    model = build(seed=dist.get_rank())
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.SGD, group=pairs[dist.get_rank() // 2], lr=0.5)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.timeout(60)
+def test_on_a_group_each_pair_starts_from_its_first_rank_and_gathers_inside(cluster4):
+    for rank, parameters in enumerate(cluster4.run(one_sgd_step_in_pairs, timeout=60)):
+        start = build(seed=rank // 2 * 2)  # the group's rank 0 broadcast its values
+        expected = [p.detach() - 0.5 for p in start.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(parameters, expected)), f"rank {rank}"
+
+
 def test_bad_input_is_explained():
     model = build()
     with pytest.raises(ValueError, match="optimizer class"):
