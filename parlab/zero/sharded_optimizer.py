@@ -1,9 +1,9 @@
 """ZeRO stage 1 as a torch optimizer: each of the N_d ranks steps only its shard of the parameters.
 
-    model = parlab.DDP(model)                                   # averages the gradients
+    ddp = parlab.ddp.DDP(model)                                 # averages the gradients
     optimizer = ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
-    optimizer.zero_grad(); loss_fn(model(x_shard), y_shard).backward()
-    model.finish_gradient_synchronization(); optimizer.step()  # step my shard, AG parameters
+    optimizer.zero_grad(); loss_fn(ddp(x_shard), y_shard).backward()
+    ddp.finish_gradient_synchronization(); optimizer.step()    # step my shard, AG parameters
 
 It does NOT average gradients: every ``p.grad`` must already hold the gradient averaged over
 the N_d ranks (after DDP or your own all-reduce). Do not stack it on ``parlab.zero.ZeroDP``,
@@ -111,6 +111,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none=True):
+        """Drop (or zero) the full parameters' gradients and the shards'."""
         super().zero_grad(set_to_none)
         self.optimizer.zero_grad(set_to_none)
 
