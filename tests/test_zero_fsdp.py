@@ -247,6 +247,31 @@ def test_replicated_parameters_stay_whole_and_train_like_one_process(cluster2):
         assert torch.equal(tensor, results[1][3][name]), f"{name}: the replicas differ"
 
 
+def resumed_with_vectors_replicated(directory):
+    """Save full and sharded checkpoints of a replicate= engine after 2 steps; fresh engines
+    load each and take step 3: the parameters of 3 steps straight?"""
+    def make(seed):
+        return FSDP(build(seed=seed), torch.optim.Adam, wrap_policy="per_layer",
+                    replicate=lambda name, p: p.ndim == 1, **ADAM[1])
+
+    straight = train(make(0), 3).full_parameters()
+    saved = train(make(0), 2)
+    checkpoint.save_full(saved, f"{directory}/full.pt")
+    checkpoint.save_sharded(saved, f"{directory}/sharded")
+    same = []
+    for load, path in [(checkpoint.load_full, "full.pt"), (checkpoint.load_sharded, "sharded")]:
+        resumed = make(1)
+        load(resumed, f"{directory}/{path}")
+        parameters = train(resumed, 1).full_parameters()
+        same.append(all(torch.equal(parameters[name], straight[name]) for name in straight))
+    return same
+
+
+@pytest.mark.timeout(90)
+def test_replicated_parameters_resume_from_full_and_sharded_checkpoints(cluster2, tmp_path):
+    assert cluster2.run(resumed_with_vectors_replicated, str(tmp_path), timeout=90) == [[True, True]] * 2
+
+
 # --- memory at rest and traffic --------------------------------------------------------------
 
 
