@@ -309,8 +309,8 @@ def _place_in(group):
     """(r, N_d): this rank's place in ``group`` and its size; a ValueError for a non-member."""
     rank = torch.distributed.get_rank(group)
     if rank < 0:
-        raise ValueError(f"global rank {torch.distributed.get_rank()} is not in the group it passed: build ZeroDP "
-                         "only on the group's members (each rank passes the group it belongs to).")
+        raise ValueError(f"global rank {torch.distributed.get_rank()} is not in the group it passed: build the engine "
+                         "(or the optimizer) only on the group's members (each rank passes the group it belongs to).")
     return rank, torch.distributed.get_world_size(group)
 
 
