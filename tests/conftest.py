@@ -1,6 +1,8 @@
 """Shared clusters: starting ranks costs seconds, so tests of the same world size share one.
 Tests that break a cluster on purpose rely on it repairing itself, which they also check."""
 
+import sys
+
 import pytest
 
 import parlab
@@ -9,6 +11,16 @@ import parlab
 # and the impl fixture. pytest takes command-line options only from plugins and the root
 # conftest, so the plugin is loaded here rather than in tests/grading/conftest.py.
 pytest_plugins = ["parlab.grading_plugin"]
+
+
+@pytest.fixture(autouse=True)
+def close_figures():
+    """Every test leaves no open matplotlib figure behind (a test that never drew imports
+    nothing: pyplot is closed only where some test has loaded it)."""
+    yield
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    if pyplot is not None:
+        pyplot.close("all")
 
 
 @pytest.fixture(scope="session")

@@ -27,14 +27,6 @@ pytestmark = pytest.mark.timeout(30)
 ONE = Fraction(1)
 
 
-@pytest.fixture(autouse=True)
-def close_figures():
-    import matplotlib.pyplot as plt
-
-    yield
-    plt.close("all")
-
-
 # --- the golden results --------------------------------------------------------------------------
 
 

@@ -11,14 +11,6 @@ from parlab.widgets.activations import MIB, activation_widget, plot_activation_m
 matplotlib.use("Agg")
 
 
-@pytest.fixture(autouse=True)
-def close_figures():
-    import matplotlib.pyplot as plt
-
-    yield
-    plt.close("all")
-
-
 def bar_widths(ax, y):
     return [patch.get_width() for patch in ax.patches if abs(patch.get_y() + patch.get_height() / 2 - y) < 1e-9]
 

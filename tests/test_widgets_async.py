@@ -21,14 +21,6 @@ matplotlib.use("Agg")
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture(autouse=True)
-def close_figures():
-    import matplotlib.pyplot as plt
-
-    yield
-    plt.close("all")
-
-
 def test_the_verdict_switches_at_the_cosine_threshold():
     for tau in range(5):
         threshold = theory.stability_threshold(tau)

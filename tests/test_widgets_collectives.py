@@ -24,14 +24,6 @@ from parlab.widgets.collectives import (
 matplotlib.use("Agg")
 
 
-@pytest.fixture(autouse=True)
-def close_figures():
-    import matplotlib.pyplot as plt
-
-    yield
-    plt.close("all")
-
-
 def texts(ax):
     return [text.get_text() for text in ax.texts if not isinstance(text, Annotation)]
 

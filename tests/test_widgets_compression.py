@@ -19,14 +19,6 @@ D = 2 * (256 * 256 + 256)  # the lecture's MLP: 131,584 parameters
 SLOW = Link(latency=500e-6, bandwidth=10e6)
 
 
-@pytest.fixture(autouse=True)
-def close_figures():
-    import matplotlib.pyplot as plt
-
-    yield
-    plt.close("all")
-
-
 def test_step_prediction_is_the_formulas_beside_dense():
     dense, topk = step_prediction("top-k + EF", 4, SLOW, budget=0.01)
     k = int(0.01 * D)

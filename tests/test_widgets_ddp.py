@@ -12,14 +12,6 @@ matplotlib.use("Agg")
 N_D, ALPHA, BETA = 2, 1e-3, 1e-6  # 1 ms per message, 1 ms per KB: round numbers to compute by hand
 
 
-@pytest.fixture(autouse=True)
-def close_figures():
-    import matplotlib.pyplot as plt
-
-    yield
-    plt.close("all")
-
-
 # --- the figure and the widget ----------------------------------------------------------------
 
 

@@ -25,14 +25,6 @@ needs_engines = pytest.mark.skipif(not ENGINES, reason="parlab.zero.stages and p
 SMALL_PSI = 32 * 64 + 64 + 64 * 64 + 64 + 64 * 8 + 8
 
 
-@pytest.fixture(autouse=True)
-def close_figures():
-    import matplotlib.pyplot as plt
-
-    yield
-    plt.close("all")
-
-
 def bars(ax, kind):
     """{(stage, part): (x centre, bottom, height)} of the bar rectangles of ``kind``."""
     found = {}

@@ -26,14 +26,6 @@ matplotlib.use("Agg")
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture(autouse=True)
-def close_figures():
-    import matplotlib.pyplot as plt
-
-    yield
-    plt.close("all")
-
-
 # --- the plain functions -------------------------------------------------------------------------
 
 

@@ -14,14 +14,6 @@ matplotlib.use("Agg")
 SEVENTY_B, SIXTY_FOUR_NODES = Model.llama2_70b(), Cluster.dgx_a100(64)
 
 
-@pytest.fixture(autouse=True)
-def close_figures():
-    import matplotlib.pyplot as plt
-
-    yield
-    plt.close("all")
-
-
 @pytest.fixture(scope="module")
 def every():
     return plans(SEVENTY_B, Batch(1536), SIXTY_FOUR_NODES)

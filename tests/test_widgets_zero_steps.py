@@ -24,14 +24,6 @@ matplotlib.use("Agg")
 _ = None  # a shard the rank does not hold, in the golden tables
 
 
-@pytest.fixture(autouse=True)
-def close_figures():
-    import matplotlib.pyplot as plt
-
-    yield
-    plt.close("all")
-
-
 def rank(stage, phase, r, n_d=4):
     holding = zero_step_holdings(stage, phase, n_d)[r]
     return holding["params"], holding["grads"], holding["optimizer"]
