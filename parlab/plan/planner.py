@@ -40,6 +40,11 @@ micro-batch's backward; stage 2 behind every micro-batch's backward (each reduce
 its own); stage 3 behind all compute (prefetched gathers). Only what sticks out is added.
 Tensor and pipeline messages sit on the critical path and are never hidden.
 
+A plan must fit in the GPU's memory less a reserve (``reserve``, 10% by default): what the
+formula leaves out still takes memory on a real GPU (the CUDA context, about 0.5 to 1 GiB;
+communication buffers, e.g. NCCL's and ZeRO's buckets; the caching allocator's
+fragmentation; the logits), so a plan at 79 of 80 GiB would not run.
+
 Left out: the embedding and output layers' activations and their uneven stages (Psi is split
 evenly over K stages), the logits, stage 3's gathered layer, buffers and fragmentation,
 offload, interleaved schedules; activations are the paper's 16-bit values and 1-byte masks
@@ -66,6 +71,7 @@ from parlab.pipeline import bubble_formula
 from parlab.plan.inputs import GIB, Batch, Cluster, Model
 
 ACTIVATION_BYTES = 2  # 16-bit activations, as Korthikanti et al. count them
+RESERVE = 0.1  # the share of a GPU's memory no plan may use (module docstring)
 
 
 class Memory(NamedTuple):
@@ -125,22 +131,26 @@ class Plan:
 
 
 def plans(model, batch, cluster, precision=MIXED_ADAM, efficiency=0.5, sequence_parallel=True, max_bubble=0.5,
-          tensor_across_nodes=False, zero_stages=STAGES):
+          tensor_across_nodes=False, zero_stages=STAGES, reserve=RESERVE):
     """Every plan over N_d x t x K = N, each ZeRO stage of ``zero_stages``, each micro-batch
     size of ``batch`` and recompute off/on: the accepted ones first, fastest first (then least
     memory), then the rejected ones in the order they were enumerated. A plan is rejected when it cannot be
     built (t does not divide a, K does not divide L, B does not split, M < K), when its
     tensor group spans nodes (unless ``tensor_across_nodes``), when it does not fit in the
-    GPU's memory, or when its bubble is above ``max_bubble``. ``efficiency``: the share of
-    peak FLOP/s that compute reaches."""
+    GPU's memory less ``reserve`` (a share of it kept free, module docstring), or when its
+    bubble is above ``max_bubble``. ``efficiency``: the share of peak FLOP/s that compute
+    reaches."""
     _check_inputs(model, batch, cluster, efficiency, max_bubble)
+    real_number("reserve", reserve, "give the share of GPU memory to keep free, e.g. 0.1 (0 keeps none).")
+    if reserve >= 1:
+        raise ValueError(f"reserve is a share of the GPU's memory below 1, got {reserve!r}: e.g. 0.1.")
     if not isinstance(precision, Precision):
         raise ValueError(f"precision must be a parlab.memory.Precision, got {precision!r}: e.g. "
                          "parlab.memory.MIXED_ADAM (kappa = 12, 2-byte parameters and gradients) or FP32_ADAM.")
     for stage in zero_stages:
         check_stage(stage)
     every = [_assess(model, batch, cluster, precision, efficiency, sequence_parallel, max_bubble, tensor_across_nodes,
-                     N_d, t, K, zero, b, recompute)
+                     reserve, N_d, t, K, zero, b, recompute)
              for N_d, t, K in grids(cluster.gpus) for zero in zero_stages
              for b in batch.micro_batch_sizes for recompute in (False, True)]
     accepted = sorted((p for p in every if not p.rejected), key=lambda p: (p.time.total, p.memory.total))
@@ -206,7 +216,7 @@ def _exposed_data_seconds(model, cluster, precision, N_d, t, K, zero, M, compute
 
 
 def _assess(model, batch, cluster, precision, efficiency, sequence_parallel, max_bubble, tensor_across_nodes,
-            N_d, t, K, zero, b, recompute):
+            reserve, N_d, t, K, zero, b, recompute):
     """The ``Plan`` with its estimates and the sentences that reject it."""
     built = [reason for failed, reason in (
         (model.a % t, f"t = {t} does not divide the a = {model.a} heads: each rank takes a / t whole heads."),
@@ -225,8 +235,10 @@ def _assess(model, batch, cluster, precision, efficiency, sequence_parallel, max
     if not tensor_across_nodes and not cluster.within_node(t):
         reasons.append(f"t = {t} spans nodes: its all-reduces would cross the inter-node link "
                        f"(nodes of {cluster.gpus_per_node} GPUs).")
-    if memory.total > cluster.memory:
-        reasons.append(f"does not fit: needs {memory.total / GIB:.1f} GiB of {cluster.memory / GIB:.1f} GiB.")
+    usable = cluster.memory * (1 - reserve)
+    if memory.total > usable:
+        kept = f" ({reserve:.0%} of {cluster.memory / GIB:.1f} GiB kept free)" if reserve else ""
+        reasons.append(f"does not fit: needs {memory.total / GIB:.1f} GiB of {usable / GIB:.1f} GiB{kept}.")
     if bubble_formula(K, M) > max_bubble:
         reasons.append(f"bubble {bubble_formula(K, M):.0%} above {max_bubble:.0%}: raise M (a smaller b) or lower K.")
     return Plan(N_d, t, K, zero, b, M, recompute, memory, time, tuple(reasons))
