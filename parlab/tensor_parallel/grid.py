@@ -24,20 +24,21 @@ Every rank then holds the full-batch gradient of its shard, as one process would
 
 ZeRO stage 1 on the data axis (``zero_optimizer``, lecture 04): the N_d ranks of a column
 hold the same tensor-parallel shard, so they also split its optimizer state N_d ways. The
-column's all-reduce becomes its two halves: a reduce-scatter leaves rank d the averaged
-gradient of its 1/N_d of the flat buffer, its optimizer steps that piece, and an all-gather
+column runs ``parlab.zero.ZeroDP(..., stage=1, group=column)`` over its ``ParallelGPT``: the
+all-reduce becomes its two halves, a reduce-scatter that leaves rank d the averaged gradient
+of its 1/N_d of the flat buffer, the optimizer's step of that piece, and an all-gather that
 brings every rank the whole updated buffer: the same bytes, 1/N_d of the optimizer state.
 """
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from parlab import p2p, trace
-from parlab.collectives import ring_all_gather, ring_allreduce, ring_reduce_scatter
+from parlab.collectives import ring_allreduce
 from parlab.flat import FlatLayout
 from parlab.pipeline.grid import rank_grid
 from parlab.tensor_parallel.model import ParallelGPT
+from parlab.zero.stages import ZeroDP
 
 __all__ = ["TensorDataParallel", "rank_grid"]
 
@@ -53,8 +54,11 @@ class TensorDataParallel:
 
     ``zero_optimizer``: an optimizer class (e.g. torch.optim.Adam, with ``optimizer_kwargs``)
     for ZeRO stage 1 along the column (module docstring); then ``step`` also takes the
-    optimizer's step, and ``optimizer`` holds this rank's 1/N_d of the state. Without it,
-    ``step`` leaves averaged gradients for any optimizer over ``model.parameters()``."""
+    optimizer's step, ``zero`` is the column's ``parlab.zero.ZeroDP`` engine and
+    ``optimizer`` (its optimizer) holds this rank's 1/N_d of the state; the module gradients
+    are views into the engine's flat gradient, averaged only in this rank's shard after a step
+    and zeroed at the next. Without it, ``zero`` and ``optimizer`` are None and ``step``
+    leaves averaged gradients for any optimizer over ``model.parameters()``."""
 
     def __init__(self, model, data_parallel_degree, sequence_parallel=False, zero_optimizer=None,
                  **optimizer_kwargs):
@@ -74,12 +78,12 @@ class TensorDataParallel:
         self.model = ParallelGPT(model, self.tensor_parallel_group, sequence_parallel)
         self.parameters = list(self.model.parameters())
         self.layout = FlatLayout([p.shape for p in self.parameters], N_d)
-        self._copy_parameters_from_replica_0()
-        self.optimizer = None
-        if zero_optimizer is not None:
-            flat = self.layout.flatten([p.detach() for p in self.parameters])
-            self.shard = nn.Parameter(self.layout.shard(flat, self.replica).clone())  # this rank's 1/N_d
-            self.optimizer = zero_optimizer([self.shard], **optimizer_kwargs)
+        self.zero, self.optimizer = None, None
+        if zero_optimizer is None:
+            self._copy_parameters_from_replica_0()
+        else:  # the engine starts the column from its first rank's (replica 0's) values
+            self.zero = ZeroDP(self.model, zero_optimizer, stage=1, group=self.data_parallel_group, **optimizer_kwargs)
+            self.optimizer = self.zero.optimizer
 
     def step(self, tokens, targets):
         """Forward and backward of the whole batch (b sequences, b a multiple of N_d): this
@@ -92,11 +96,19 @@ class TensorDataParallel:
                              f"shards: use a multiple of {self.data_parallel_degree}.")
         tokens, targets = tokens.tensor_split(self.data_parallel_degree)[self.replica], targets.tensor_split(
             self.data_parallel_degree)[self.replica]
+        if self.zero is not None:
+            self.zero.zero_grad()  # in place: the module gradients are views into the engine's flat buffer
         loss = self.model.loss(tokens, targets)
         loss.backward()
         self.model.reduce_sequence_parallel_gradients()
-        if self.optimizer is not None:
-            self._zero_step()
+        if self.zero is not None:
+            # reduce-scatter: rank d of the column gets the averaged gradient of its shard
+            with trace.span("data-parallel reduce-scatter"):
+                self.zero.finish_gradient_synchronization()
+            # the engine's step: its "optimizer" span steps this rank's 1/N_d (with its 1/N_d of the
+            # optimizer state), its "all-gather parameters" span brings the column every shard
+            with trace.span("data-parallel all-gather"):
+                self.zero.step()
             return loss.detach()
         with trace.span("data-parallel all-reduce"), torch.no_grad():
             flat = self.layout.flatten([p.grad for p in self.parameters])
@@ -104,23 +116,6 @@ class TensorDataParallel:
             for p, averaged in zip(self.parameters, self.layout.views(flat)):
                 p.grad = averaged
         return loss.detach()
-
-    def _zero_step(self):
-        # reduce-scatter: rank d of the column gets the averaged gradient of its shard
-        with trace.span("data-parallel reduce-scatter"), torch.no_grad():
-            flat = self.layout.flatten([p.grad for p in self.parameters])
-            ring_reduce_scatter(flat, op="avg", check=False, group=self.data_parallel_group)
-            self.shard.grad = self.layout.shard(flat, self.replica).clone()
-        # step: this rank's 1/N_d of the parameters, with its 1/N_d of the optimizer state
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        # all-gather: every rank of the column gets every updated shard
-        with trace.span("data-parallel all-gather"), torch.no_grad():
-            self.layout.shard(flat, self.replica).copy_(self.shard)
-            ring_all_gather(flat, check=False, group=self.data_parallel_group)
-            for p, value in zip(self.parameters, self.layout.views(flat)):
-                p.copy_(value)
-                p.grad = None
 
     def _copy_parameters_from_replica_0(self):
         with torch.no_grad():
