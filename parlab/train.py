@@ -30,6 +30,9 @@ Rank 0 opens a TCPStore (a small key-value server) at MASTER_ADDR:MASTER_PORT; e
 rank connects to it and the ranks exchange their addresses through it until all WORLD_SIZE
 have arrived: that is the rendezvous. Then gloo (CPU) or nccl (GPU) opens its own
 connections between the ranks and the store is only used for coordination.
+
+``torchrun_path`` finds torchrun and ``run_with_deadline`` runs launches side by side, killing
+what still runs at a deadline with its children: tests and graders launch with them.
 """
 
 import argparse
@@ -38,8 +41,14 @@ import hashlib
 import importlib
 import json
 import os
+import shutil
+import signal
 import socket
+import subprocess
+import sys
+import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -148,6 +157,61 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def torchrun_path():
+    """The torchrun program: the one beside this Python first (a virtual environment's, which
+    launches this torch), else the first on PATH; None when there is none."""
+    search = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    return shutil.which("torchrun", path=search)
+
+
+def run_with_deadline(commands, directory, deadline):
+    """Run ``commands`` (lists of words) at the same time in ``directory``, each writing its
+    stdout and stderr to ``command<i>.log`` there, until all have exited, one has failed (the
+    others may wait for it forever) or ``deadline`` seconds have passed. Every process still
+    running then is killed, children included. Returns (exit codes, None for a process that
+    was killed; outputs)."""
+    logs = [Path(directory) / f"command{i}.log" for i in range(len(commands))]
+    processes = []
+    for command, log in zip(commands, logs):
+        with open(log, "w") as output:
+            processes.append(subprocess.Popen(command, cwd=directory, stdout=output, stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+    end = time.monotonic() + deadline
+    try:
+        while any(p.poll() is None for p in processes) and time.monotonic() < end:
+            if any(p.poll() not in (None, 0) for p in processes):
+                break
+            time.sleep(0.1)
+        codes = [p.poll() for p in processes]
+    finally:
+        for process in processes:
+            for pid in [*_descendants(process.pid), process.pid] if process.poll() is None else []:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            process.wait()
+    return codes, [log.read_text() for log in logs]
+
+
+def _descendants(pid):
+    """The processes below ``pid``, read from /proc (none where there is no /proc): torchrun
+    starts its workers in sessions of their own, so killing its process group misses them."""
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def parse_arguments(argv=None):

@@ -1,0 +1,263 @@
+"""Exercise: the memory one GPU of a plan holds, and a script ready for torchrun.
+
+Part 1, memory per GPU. A plan (``parlab.plan.Plan``) places N = N_d t K GPUs: N_d
+data-parallel replicas (or shards, with ZeRO) of t-way tensor-parallel, K-stage pipelines,
+each replica running M micro-batches of b samples per step, with full activation recompute
+on or off. One GPU of it holds the model states of its slice of the model and the
+activations its stage keeps for backward:
+
+    model states   the ZeRO table (lecture 04) for the Psi / (t K) parameters of one GPU's
+                   slice: t splits every layer, K splits the layers into stages, and the
+                   stage (0 to 3) decides which of parameters, gradients and optimizer state
+                   are split once more over the N_d data-parallel ranks
+    activations    Korthikanti et al.'s bytes per layer (lecture 07), for the L / K layers of
+                   one stage, times the micro-batches in flight (lecture 03): 1F1B's first
+                   stage has run min(K, M) forwards before its first backward. With
+                   recompute, a layer keeps only its input, and the layer being recomputed
+                   holds its full activations once more, for one micro-batch
+
+You compose two formulas the lectures already have; call them rather than write them again:
+
+    parlab.memory.model_state_bytes(psi, stage, n_d, kappa, param_bytes, grad_bytes)
+    parlab.memory.transformer_activation_bytes(s, b, h, a, layers, recompute, t, sequence_parallel)
+
+(a ``parlab.memory.Precision`` unpacks into kappa, param_bytes, grad_bytes in that order).
+The grader compares your bytes with the planner's (``parlab.plan.plan_memory``) for EXACT
+equality, on many plans of the small GPT, a 7B and a 70B model: compute them as the
+docstrings say, in that order, and the floating-point roundings agree too.
+
+    from parlab.plan import Model, Plan
+    plan = Plan(N_d=8, t=8, K=10, zero=1, b=1, M=96, recompute=True)
+    memory_per_gpu(Model.llama2_70b(), plan) / 2**30      # GiB on each of the 640 GPUs
+
+Part 2, launching for real. ``torchrun --standalone --nproc-per-node 2 planner.py`` starts
+this file twice, each process with an environment saying where it stands in the job
+(``parlab.train``'s docstring says what each variable means): RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT. ``torchrun_all_reduce`` joins the job's process
+group from them, sums one integer over the processes and leaves; ``main`` (provided) prints
+and writes what it returns. The grader runs this file under torchrun on 2 processes, with
+integers too large for float32, and compares every process's sum with the sum one process
+computes.
+
+Stuck? ``parlab.hint("planner.memory_per_gpu")`` in a notebook (or ``python -m parlab.grade
+--hint planner.memory_per_gpu``) opens a hint, one level at a time. Grade your work with
+``python -m parlab.grade planner`` (or ``parlab.check("planner")`` in a notebook).
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from parlab.memory import MIXED_ADAM, model_state_bytes, transformer_activation_bytes
+
+
+def model_state_bytes_per_gpu(model, plan, precision=MIXED_ADAM):
+    """The model states one GPU of ``plan`` holds, as a ``parlab.memory.ModelState`` (params,
+    grads, optimizer, in bytes).
+
+    ``model``: a ``parlab.plan.Model`` (``model.psi`` parameters, Psi); ``plan``: a
+    ``parlab.plan.Plan`` (``plan.N_d``, ``plan.t``, ``plan.K``, ``plan.zero``);
+    ``precision``: a ``parlab.memory.Precision`` (kappa, param_bytes, grad_bytes).
+
+    The ZeRO table of ``parlab.memory.model_state_bytes`` for the Psi / (t K) parameters of
+    one GPU's slice of the model, on N_d data-parallel ranks at stage ``plan.zero``. E.g.
+    mixed-precision Adam (2 + 2 + 12 bytes per parameter) at stage 1, t = 2, K = 4, N_d = 8:
+    params 2 Psi / 8, grads 2 Psi / 8, optimizer 12 Psi / 64.
+    """
+    # BEGIN SOLUTION: the ZeRO table for one GPU's slice
+    return model_state_bytes(model.psi / (plan.t * plan.K), plan.zero, plan.N_d, *precision)
+    # END SOLUTION
+
+
+def activation_bytes_per_gpu(model, plan, sequence_parallel=True):
+    """The activation bytes one GPU of ``plan`` keeps for backward at its peak, on the first
+    pipeline stage (the one with the most micro-batches in flight).
+
+    ``model``: a ``parlab.plan.Model`` (s, h, a, L); ``plan``: a ``parlab.plan.Plan`` (b,
+    t, K, M, recompute); ``sequence_parallel``: whether the tensor-parallel ranks also split
+    the sequence (Megatron's sequence parallelism).
+
+    With A(kept) = ``transformer_activation_bytes(s, b, h, a, 1, kept, t, sequence_parallel)``,
+    the bytes of ONE layer for one micro-batch:
+
+        recompute off   A(None) x L / K x min(K, M)
+        recompute on    A("full") x L / K x min(K, M)  +  A(None)
+
+    multiplied in that order (L / K is a whole number: K divides L). min(K, M) is plan.M
+    when M < K: a stage cannot hold more micro-batches than the step has.
+    """
+    # BEGIN SOLUTION: a layer, x L / K, x the micro-batches in flight
+    kept = "full" if plan.recompute else None
+    layer = transformer_activation_bytes(model.s, plan.b, model.h, model.a, 1, kept, plan.t, sequence_parallel)
+    activations = layer * (model.L // plan.K) * min(plan.K, plan.M)
+    if plan.recompute:
+        activations += transformer_activation_bytes(model.s, plan.b, model.h, model.a, 1, None, plan.t,
+                                                    sequence_parallel)
+    return activations
+    # END SOLUTION
+
+
+def memory_per_gpu(model, plan, precision=MIXED_ADAM, sequence_parallel=True):
+    """Bytes one GPU of ``plan`` holds: its model states' total plus its activations, the
+    planner's ``plan_memory(model, plan, precision, sequence_parallel).total``."""
+    # BEGIN SOLUTION: states plus activations
+    return (model_state_bytes_per_gpu(model, plan, precision).total
+            + activation_bytes_per_gpu(model, plan, sequence_parallel))
+    # END SOLUTION
+
+
+def torchrun_all_reduce(value):
+    """Run by every process torchrun starts: join the job, sum ``value`` (this process's
+    integer) over all its processes, leave the job.
+
+    1. Read RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE from the environment
+       (``os.environ``; they are text).
+    2. Backend and device: "nccl" on GPU cuda:LOCAL_RANK when this node has a GPU for each
+       of its processes (``torch.cuda.device_count() >= LOCAL_WORLD_SIZE``; make that GPU
+       the current one with ``torch.cuda.set_device``), else "gloo" on the CPU.
+    3. ``dist.init_process_group(backend)``: with its default init_method "env://" it finds
+       the others through MASTER_ADDR and MASTER_PORT and learns its place from RANK and
+       WORLD_SIZE.
+    4. One ``dist.all_reduce`` (a sum) of a tensor holding ``value`` on that device, exactly:
+       the values may be too large for float32's 24 bits.
+    5. ``dist.destroy_process_group()`` before returning.
+
+    Returns ``{"rank": RANK, "world_size": WORLD_SIZE, "local_rank": LOCAL_RANK, "backend":
+    the backend, "total": the sum as a Python int}``, the numbers as ints.
+    """
+    # BEGIN SOLUTION: join, all-reduce, leave
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank, local_world_size = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    on_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
+    backend, device = ("nccl", torch.device("cuda", local_rank)) if on_gpus else ("gloo", torch.device("cpu"))
+    if on_gpus:
+        torch.cuda.set_device(device)  # nccl's communicator for this process lives on this GPU
+    dist.init_process_group(backend)
+    total = torch.tensor([value], dtype=torch.int64, device=device)  # exact, where float32 would round
+    dist.all_reduce(total)
+    result = {"rank": rank, "world_size": world_size, "local_rank": local_rank, "backend": backend,
+              "total": int(total.item())}
+    dist.destroy_process_group()
+    return result
+    # END SOLUTION
+
+
+def main(argv=None):
+    """Provided: ``torchrun --standalone --nproc-per-node N planner.py [--values V0,V1,...]
+    [--out DIR]``. Process r contributes V_r (r + 1 by default), prints what
+    ``torchrun_all_reduce`` returns and, with ``--out``, writes it to DIR/rank<r>.json with
+    the environment torchrun gave and whether the process group was left."""
+    parser = argparse.ArgumentParser(description="Sum one integer per process over a torchrun job.")
+    parser.add_argument("--values", help="the integers of processes 0, 1, ..., comma-separated")
+    parser.add_argument("--out", help="a directory to write each process's rank<r>.json into")
+    args = parser.parse_args(argv)
+    rank = int(os.environ["RANK"])
+    value = int(args.values.split(",")[rank]) if args.values else rank + 1
+    result = torchrun_all_reduce(value)
+    print(f"process {rank}: {result}", flush=True)
+    if args.out:
+        environment = {name: os.environ[name] for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+        record = {"result": result, "environment": environment, "group_left": not dist.is_initialized()}
+        (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(record, default=repr))
+
+
+if __name__ == "__main__":
+    main()
+
+
+# BEGIN HINTS
+HINTS = {
+    "model_state_bytes_per_gpu": (
+        """
+        Which parameters sit on one GPU before data parallelism is thought of at all? Tensor
+        parallelism cuts every layer in t, the pipeline gives each stage L / K layers. What is
+        left for N_d to do is exactly what the ZeRO table of lecture 04 describes.
+        """,
+        """
+        One GPU's slice has Psi / (t K) parameters. Hand that count, the ZeRO stage and N_d to
+        parlab.memory.model_state_bytes, with the precision's kappa, param_bytes and
+        grad_bytes (a Precision unpacks into them, in that order). It returns the
+        ModelState to give back: it already knows which parts each stage splits over N_d.
+        """,
+        """
+        def model_state_bytes_per_gpu(model, plan, precision=MIXED_ADAM):
+            slice_of_psi = model.psi / (plan.t * plan.K)
+            return model_state_bytes(slice_of_psi, plan.zero, plan.N_d, *precision)
+
+        Dividing Psi by N_d yourself is the classic slip: ZeRO-0 replicates everything,
+        ZeRO-1 shards only the optimizer state, ZeRO-2 the gradients too.
+        """,
+    ),
+    "activation_bytes_per_gpu": (
+        """
+        Three factors: one layer's activations for one micro-batch (lecture 07), the layers
+        of one stage, and how many micro-batches the first stage has started but not yet
+        finished under 1F1B (lecture 03). Recompute changes the first factor and adds a term.
+        """,
+        """
+        One layer: transformer_activation_bytes(s, b, h, a, 1, kept, t, sequence_parallel)
+        with kept = "full" when the plan recomputes, None otherwise. Multiply by L // K,
+        then by min(K, M). With recompute, add one layer's activations with kept = None, once:
+        the layer being recomputed holds them for one micro-batch.
+        """,
+        """
+        def activation_bytes_per_gpu(model, plan, sequence_parallel=True):
+            def one_layer(kept):
+                return transformer_activation_bytes(model.s, plan.b, model.h, model.a, 1, kept,
+                                                    plan.t, sequence_parallel)
+            kept = "full" if plan.recompute else None
+            total = one_layer(kept) * (model.L // plan.K) * min(plan.K, plan.M)
+            if plan.recompute:
+                total += one_layer(None)
+            return total
+        """,
+    ),
+    "memory_per_gpu": (
+        """
+        Both parts are written already, in the two functions above. What does the planner add?
+        """,
+        """
+        Call model_state_bytes_per_gpu with the precision given and take its .total; call
+        activation_bytes_per_gpu with the sequence_parallel given; return their sum.
+        """,
+        """
+        def memory_per_gpu(model, plan, precision=MIXED_ADAM, sequence_parallel=True):
+            states = model_state_bytes_per_gpu(model, plan, precision)
+            return states.total + activation_bytes_per_gpu(model, plan, sequence_parallel)
+
+        Leaving precision or sequence_parallel out uses the defaults instead of the caller's.
+        """,
+    ),
+    "torchrun_all_reduce": (
+        """
+        torchrun does not pass arguments to tell a process who it is: everything is in the
+        environment. init_process_group's default init_method, "env://", reads it too; what
+        is left to you is the backend, the device, the tensor and the goodbye.
+        """,
+        """
+        Read RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE with int(os.environ[...]).
+        Pick nccl on cuda:LOCAL_RANK (after torch.cuda.set_device) when there are at least
+        LOCAL_WORLD_SIZE GPUs, else gloo on the CPU. init_process_group(backend), then
+        all_reduce a one-element int64 tensor holding value (the sum is the default op),
+        build the dict with total as a Python int, destroy_process_group, return the dict.
+        """,
+        """
+        rank = int(os.environ["RANK"])        # likewise the three others
+        backend, device = "gloo", torch.device("cpu")     # or nccl and cuda:LOCAL_RANK
+        dist.init_process_group(backend)   # MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
+        total = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(total)
+        result = {..., "total": int(total.item())}
+        dist.destroy_process_group()
+        return result
+
+        A float tensor rounds large integers; a process that skips the all-reduce leaves the
+        other waiting forever.
+        """,
+    ),
+}
+# END HINTS
