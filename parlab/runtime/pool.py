@@ -1,39 +1,21 @@
-"""The worker processes behind a Cluster: start them, talk to them, dump their stacks,
-replace them, and make sure none outlives its parent and none leaves a file behind.
-
-Each worker is ``python -m parlab.runtime.worker`` in its own session (so a Ctrl-C in the
-parent's terminal reaches only the parent), with
-
-- a socket pair to the parent for messages,
-- a pipe on its stdin that only the parent holds: when the parent dies the pipe closes and
-  the worker exits (see ``worker._watch_parent``),
-- a log file for anything written at the C level, and a stack file that faulthandler fills
-  on SIGUSR1, which is how a stuck rank tells us where it is stuck.
-
-Both files are anonymous: the parent creates them without a name (or unlinks the name at
-once), hands the worker their file descriptors and reads them through its own. Whatever kills
-the parent or the workers, SIGKILL included, the kernel frees the files with the last
-descriptor and nothing is left on disk.
+"""The worker processes behind a Cluster, one generation at a time: start them, wait for
+them to join the process group, talk to them, dump their stacks, replace them, and shut them
+down. What the parent holds of one worker, and how it makes sure none outlives its parent
+and none leaves a file behind: ``parlab.runtime.process``.
 """
 
-import json
 import os
 import pickle
 import signal
-import socket
 import subprocess
-import sys
-import tempfile
 import time
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 
-from parlab.runtime.errors import readable_stack, worker_ended
+from parlab.runtime.errors import readable_stack
+from parlab.runtime.process import WorkerProcess, read_from
 
 STACK_DUMP_WAIT_S = 2.0
 EXIT_WAIT_S = 5.0
-# The folder that holds the parlab package, for workers started from a parent that found it
-# through sys.path rather than an installation.
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class WorkerPool:
@@ -47,7 +29,7 @@ class WorkerPool:
         self._interrupted = False
         self._generation = 0
         self._fresh = set()  # the ranks whose workers were started for the current generation
-        self._procs, self._conns, self._files, self._ready = [], [], [], set()
+        self._workers, self._ready = [], set()  # WorkerProcess of rank r at index r
         self._lost = {}
         # The rendezvous store lives in the parent on a port the OS picks, so clusters never
         # collide; each generation of workers uses its own key prefix in it.
@@ -55,7 +37,7 @@ class WorkerPool:
 
     @property
     def pids(self):
-        return [proc.pid for proc in self._procs]
+        return [worker.pid for worker in self._workers]
 
     @property
     def ranks(self):
@@ -66,28 +48,21 @@ class WorkerPool:
         once: measured, starting them a few at a time is slower, on a busy machine much so."""
         self._generation += 1
         self._fresh, self._ready = set(self.ranks), set()
-        self._procs, self._conns, self._files = [], [], []
+        self._workers = []
         for rank in self.ranks:
-            proc, conn, files = self._spawn(rank)
-            self._procs.append(proc)
-            self._conns.append(conn)
-            self._files.append(files)
+            self._workers.append(self._spawn(rank))
 
     def _spawn(self, rank):
-        """Start the worker of ``rank`` for the current generation; (process, connection, files)."""
-        parent_end, child_end = socket.socketpair()
-        log, stack = tempfile.TemporaryFile(prefix="parlab-"), tempfile.TemporaryFile(prefix="parlab-")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "parlab.runtime.worker"],
-            stdin=subprocess.PIPE,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            pass_fds=(child_end.fileno(), stack.fileno()),
-            env=self._environment(rank, child_end.fileno(), stack.fileno()),
-            start_new_session=True,
-        )
-        child_end.close()
-        return proc, Connection(parent_end.detach()), (log, stack)
+        """Start the worker of ``rank`` for the current generation."""
+        return WorkerProcess(rank, {
+            "world_size": self.placement.world_size,
+            "backend": self.placement.backend,
+            "device_type": self.placement.device_type,
+            "gpu_count": self.placement.gpu_count,
+            "store_port": self._store.port,
+            "generation": self._generation,
+            "start_timeout": self.start_timeout,
+        })
 
     def wait_ready(self):
         """Block until every worker has joined the process group, with a progress bar when
@@ -117,18 +92,19 @@ class WorkerPool:
     def _await_joins(self, deadline, bar):
         """Take in the next "started" (counted by ``bar``) and "ready" messages; return the
         ranks that failed to join instead (rank -> (summary, details)), or {}."""
-        waiting = [conn for rank, conn in enumerate(self._conns) if rank not in self._ready]
+        waiting = self.pending_connections(self._ready)
         answered = wait(waiting, max(0.0, deadline - time.monotonic()))
         if not answered:
             late = sorted(set(self.ranks) - self._ready)
             return {rank: (f"rank {rank} did not join the process group within {self.start_timeout:g} s", "")
                     for rank in late}
         for conn in answered:
-            rank = self._conns.index(conn)
+            rank = self.rank_of(conn)
             message = self.receive(rank)
             when = "while starting" if rank in self._fresh else "while rebuilding its process group"
             if message is None:
-                return {rank: (self.death_line(rank, when), self.last_output(rank))}
+                worker = self._workers[rank]
+                return {rank: (worker.death_line(when), worker.last_output())}
             if message[0] == "started":
                 if bar is not None:
                     bar.update(1)
@@ -165,30 +141,20 @@ class WorkerPool:
     def send_all(self, message):
         """Send ``message`` to every rank; return the ranks it could not reach (dead workers)."""
         data = pickle.dumps(message)
-        return [rank for rank in range(len(self._conns)) if not self._send(rank, data)]
-
-    def _send(self, rank, data):
-        try:
-            self._conns[rank].send_bytes(data)
-        except OSError:
-            return False
-        return True
+        return [rank for rank, worker in enumerate(self._workers) if not worker.send(data)]
 
     def receive(self, rank):
         """The next message from ``rank``, or None if the worker is gone."""
-        try:
-            return pickle.loads(self._conns[rank].recv_bytes())
-        except (EOFError, OSError):
-            return None
+        return self._workers[rank].receive()
 
     def pending_connections(self, done):
-        return [conn for rank, conn in enumerate(self._conns) if rank not in done]
+        return [worker.conn for rank, worker in enumerate(self._workers) if rank not in done]
 
     def rank_of(self, conn):
-        return self._conns.index(conn)
+        return [worker.conn for worker in self._workers].index(conn)
 
     def dead_ranks(self):
-        return [rank for rank, proc in enumerate(self._procs) if proc.poll() is not None]
+        return [rank for rank, worker in enumerate(self._workers) if worker.dead()]
 
     def state(self):
         """In words: "closed", "restarting" (workers not all joined yet), "running", or which
@@ -197,7 +163,7 @@ class WorkerPool:
             return "closed"
         dead = self.dead_ranks()
         if dead:
-            lines = "; ".join(self.death_line(rank, wait_s=0) for rank in dead)
+            lines = "; ".join(self._workers[rank].death_line(wait_s=0) for rank in dead)
             return f"{lines}: the next call reports it and replaces the dead workers"
         return "running" if len(self._ready) == self.placement.world_size else "restarting"
 
@@ -215,9 +181,9 @@ class WorkerPool:
         self._fresh, self._ready = replace, set()
         self._kill(replace)
         for rank in replace:
-            self._procs[rank], self._conns[rank], self._files[rank] = self._spawn(rank)
+            self._workers[rank] = self._spawn(rank)
         message, others = pickle.dumps(("reinit", self._generation)), set(self.ranks) - replace
-        if any(not self._send(rank, message) for rank in others):
+        if any(not self._workers[rank].send(message) for rank in others):
             self.restart()
 
     def restart(self):
@@ -229,42 +195,31 @@ class WorkerPool:
         """Kill the workers and nothing else, safe while another thread talks to them: that
         thread sees them die and ends its call; ``shutdown`` then tidies up."""
         self._interrupted = True
-        for proc in list(self._procs):
-            _signal(proc, signal.SIGKILL, group=True)
+        for worker in list(self._workers):
+            worker.kill()
 
     def dump_stacks(self, ranks):
         """Ask the given ranks for their Python stacks (faulthandler on SIGUSR1), all at once;
         a dump is complete when its file has stopped growing."""
-        stack_files = {rank: self._files[rank][1] for rank in ranks}
+        stack_files = {rank: self._workers[rank].stack for rank in ranks}
         offsets = {rank: os.fstat(f.fileno()).st_size for rank, f in stack_files.items()}
         for rank in ranks:
-            _signal(self._procs[rank], signal.SIGUSR1)
+            self._workers[rank].signal(signal.SIGUSR1)
         stacks = {rank: "" for rank in ranks}
         deadline = time.monotonic() + STACK_DUMP_WAIT_S
         while time.monotonic() < deadline:
             time.sleep(0.05)
-            latest = {rank: _read_from(stack_files[rank], offsets[rank]) for rank in ranks}
+            latest = {rank: read_from(stack_files[rank], offsets[rank]) for rank in ranks}
             settled = all(latest[rank] and latest[rank] == stacks[rank] for rank in ranks)
             stacks = latest
             if settled:
                 break
         return {rank: readable_stack(text) for rank, text in stacks.items()}
 
-    def death_line(self, rank, when=None, wait_s=1.0):
-        """One line on how ``rank``'s worker ended (see ``errors.worker_ended``)."""
-        try:
-            code = self._procs[rank].wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            code = None
-        return worker_ended(rank, code, when)
-
-    def last_output(self, rank):
-        log = _read_from(self._files[rank][0], 0)[-3000:].rstrip()
-        return f"Last output of rank {rank}'s worker:\n{log or '(none)'}"
-
     def death_report(self, rank, when):
-        """What a dead worker last wrote, then ``death_line`` (last, as in a traceback)."""
-        return f"{self.last_output(rank)}\n{self.death_line(rank, when)}"
+        """What a dead worker last wrote, then how it ended (last, as in a traceback)."""
+        worker = self._workers[rank]
+        return f"{worker.last_output()}\n{worker.death_line(when)}"
 
     def shutdown(self):
         """Stop the workers: ask politely, then kill. Idempotent."""
@@ -273,9 +228,9 @@ class WorkerPool:
         self.closed = True
         self.send_all(("exit",))
         deadline = time.monotonic() + EXIT_WAIT_S
-        for proc in self._procs:
+        for worker in self._workers:
             try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                worker.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
         self._kill()
@@ -283,59 +238,14 @@ class WorkerPool:
     def _kill(self, ranks=None):
         """Kill the workers of ``ranks`` (default: all), all at once, and close what the
         parent holds of them."""
-        ranks = range(len(self._procs)) if ranks is None else ranks
+        ranks = range(len(self._workers)) if ranks is None else ranks
         for rank in ranks:
-            _signal(self._procs[rank], signal.SIGKILL, group=True)
+            self._workers[rank].kill()
         for rank in ranks:
-            self._procs[rank].wait()
-            self._conns[rank].close()
-            if self._procs[rank].stdin:
-                self._procs[rank].stdin.close()
-            for f in self._files[rank]:
-                f.close()
-
-    def _environment(self, rank, conn_fd, stack_fd):
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT, env.get("PYTHONPATH")]))
-        env["PARLAB_WORKER"] = json.dumps(
-            {
-                "rank": rank,
-                "world_size": self.placement.world_size,
-                "backend": self.placement.backend,
-                "device_type": self.placement.device_type,
-                "gpu_count": self.placement.gpu_count,
-                "store_port": self._store.port,
-                "generation": self._generation,
-                "conn_fd": conn_fd,
-                "stack_fd": stack_fd,
-                "parent_pid": os.getpid(),
-                "start_timeout": self.start_timeout,
-                "sys_path": [p for p in sys.path if p],
-            }
-        )
-        return env
+            self._workers[rank].close()
 
 
 def _progress_bar(world_size):
     from .progress import progress_bar
 
     return progress_bar(world_size, "ranks started", unit="rank")
-
-
-def _signal(proc, signum, group=False):
-    if proc.poll() is not None:
-        return
-    try:
-        if group:
-            os.killpg(proc.pid, signum)
-        else:
-            os.kill(proc.pid, signum)
-    except ProcessLookupError:
-        pass
-
-
-def _read_from(file, offset):
-    """The text of an open file from ``offset`` on, read without moving the file's position
-    (the worker writes through a descriptor that shares it)."""
-    size = os.fstat(file.fileno()).st_size
-    return os.pread(file.fileno(), max(0, size - offset), offset).decode(errors="replace")

@@ -1,0 +1,138 @@
+"""One worker process, as its parent holds it: the process, the parent's end of its socket,
+and its two files.
+
+Each worker is ``python -m parlab.runtime.worker`` in its own session (so a Ctrl-C in the
+parent's terminal reaches only the parent), with
+
+- a socket pair to the parent for messages,
+- a pipe on its stdin that only the parent holds: when the parent dies the pipe closes and
+  the worker exits (see ``worker._watch_parent``),
+- a log file for anything written at the C level, and a stack file that faulthandler fills
+  on SIGUSR1, which is how a stuck rank tells us where it is stuck.
+
+Both files are anonymous: the parent creates them without a name (or unlinks the name at
+once), hands the worker their file descriptors and reads them through its own. Whatever kills
+the parent or the workers, SIGKILL included, the kernel frees the files with the last
+descriptor and nothing is left on disk.
+"""
+
+import json
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from multiprocessing.connection import Connection
+
+from parlab.runtime.errors import worker_ended
+
+# The folder that holds the parlab package, for workers started from a parent that found it
+# through sys.path rather than an installation.
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class WorkerProcess:
+    """The worker of ``rank``, started at construction (it then joins the process group on
+    its own). ``settings``: what the pool tells every worker of its generation (world size,
+    backend, store port, generation, ...), passed on in the PARLAB_WORKER variable with this
+    worker's rank and descriptors."""
+
+    def __init__(self, rank, settings):
+        self.rank = rank
+        parent_end, child_end = socket.socketpair()
+        self.log, self.stack = tempfile.TemporaryFile(prefix="parlab-"), tempfile.TemporaryFile(prefix="parlab-")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "parlab.runtime.worker"],
+            stdin=subprocess.PIPE,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            pass_fds=(child_end.fileno(), self.stack.fileno()),
+            env=_environment(settings, rank, child_end.fileno(), self.stack.fileno()),
+            start_new_session=True,
+        )
+        child_end.close()
+        self.conn = Connection(parent_end.detach())
+
+    @property
+    def pid(self):
+        return self.proc.pid
+
+    def send(self, data):
+        """Send pickled ``data``; False if the worker is gone."""
+        try:
+            self.conn.send_bytes(data)
+        except OSError:
+            return False
+        return True
+
+    def receive(self):
+        """The next message, or None if the worker is gone."""
+        try:
+            return pickle.loads(self.conn.recv_bytes())
+        except (EOFError, OSError):
+            return None
+
+    def dead(self):
+        return self.proc.poll() is not None
+
+    def signal(self, signum, group=False):
+        """Send ``signum`` to the worker (with ``group``, to its whole session) unless it ended."""
+        if self.dead():
+            return
+        try:
+            if group:
+                os.killpg(self.proc.pid, signum)
+            else:
+                os.kill(self.proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def kill(self):
+        """SIGKILL to its session, without waiting: ``close`` waits."""
+        self.signal(signal.SIGKILL, group=True)
+
+    def close(self):
+        """Wait for the (killed) process and close what the parent holds of it."""
+        self.proc.wait()
+        self.conn.close()
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        self.log.close()
+        self.stack.close()
+
+    def death_line(self, when=None, wait_s=1.0):
+        """One line on how the worker ended (see ``errors.worker_ended``)."""
+        try:
+            code = self.proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        return worker_ended(self.rank, code, when)
+
+    def last_output(self):
+        log = read_from(self.log, 0)[-3000:].rstrip()
+        return f"Last output of rank {self.rank}'s worker:\n{log or '(none)'}"
+
+
+def _environment(settings, rank, conn_fd, stack_fd):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT, env.get("PYTHONPATH")]))
+    env["PARLAB_WORKER"] = json.dumps(
+        {
+            "rank": rank,
+            **settings,
+            "conn_fd": conn_fd,
+            "stack_fd": stack_fd,
+            "parent_pid": os.getpid(),
+            "sys_path": [p for p in sys.path if p],
+        }
+    )
+    return env
+
+
+def read_from(file, offset):
+    """The text of an open file from ``offset`` on, read without moving the file's position
+    (the worker writes through a descriptor that shares it)."""
+    size = os.fstat(file.fileno()).st_size
+    return os.pread(file.fileno(), max(0, size - offset), offset).decode(errors="replace")
