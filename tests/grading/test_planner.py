@@ -182,8 +182,9 @@ def activation_mistakes(model, plan, sequence_parallel):
         (f"you forgot the micro-batches in flight on the first stage: 1F1B runs min(K, M) = {in_flight} forwards "
          "there before the first backward, and keeps the activations of each", stage(micro_batches=1)
          if in_flight > 1 else None),
-        (f"you kept all M = {M} micro-batches (GPipe's count); 1F1B's first stage holds min(K, M) = {in_flight}",
-         stage(micro_batches=M) if M > K else None),
+        (f"you kept all M = {M} micro-batches (GPipe's count); 1F1B's first stage holds min(K, M) = {in_flight}"
+         if K > 1 else f"you kept all M = {M} micro-batches; without a pipeline (K = 1) they run one after another, "
+         "each backward freeing its activations before the next forward", stage(micro_batches=M) if M > K else None),
         (f"a stage cannot hold more micro-batches than the step has: min(K, M) = M = {M}",
          stage(micro_batches=K) if M < K else None),
         (f"each stage holds its L / K = {L // K} layers, not all L = {L}", stage(layers=L) if K > 1 else None),
@@ -217,14 +218,13 @@ class TestMemoryPerGpu:
                 got = impl.memory_per_gpu(model, plan, precision, sequence_parallel)
                 if got == expected.total:
                     continue
-                why = first_of([
+                why = own_parts(impl, model, plan, precision, sequence_parallel, got) or first_of([
                     ("that is the model states alone; add the activations", expected.states.total),
                     ("that is the activations alone; add the model states", expected.activations),
                     ("pass precision on to model_state_bytes_per_gpu", plan_memory(model, plan).total),
                     ("pass sequence_parallel on to activation_bytes_per_gpu",
                      plan_memory(model, plan, precision).total),
-                ], got) or rounding([got], [expected.total]) or own_parts(impl, model, plan, precision,
-                                                                          sequence_parallel, got)
+                ], got) or rounding([got], [expected.total])
                 assert False, (f"{describe(model, plan)}, {name}, sequence parallelism "
                                f"{'on' if sequence_parallel else 'off'}: expected {expected.total} bytes, got {got!r}"
                                + (f": {why}" if why else ""))
@@ -284,7 +284,11 @@ class TestTorchrunAllReduce:
                                           "returned: call dist.destroy_process_group() before returning")
 
 
-ERROR_LINE = re.compile(r"^(?:\w+\.)*(?P<name>\w+(?:Error|Exception)): (?P<message>.*)$", re.MULTILINE)
+# A worker's exception, as torchrun shows it: "[rank0]: RuntimeError: ...", or unprefixed.
+ERROR_LINE = re.compile(r"^(?:\[rank\d+\]: )?(?:\w+\.)*(?P<name>\w+(?:Error|Exception)): (?P<message>.*)$",
+                        re.MULTILINE)
+# gloo's words when the other process left while this one waited in a collective.
+PEER_LEFT = re.compile(r"Connection (reset|closed) by peer")
 
 
 @pytest.fixture(scope="module")
@@ -305,8 +309,13 @@ def launched(impl, tmp_path_factory):
     if error and error["name"] == "NotImplementedError":
         raise NotImplementedError(error["message"])
     if code != 0:
-        where = f": {error[0]}" if error else f"; its output ends: {output[-500:]}"
-        pytest.fail(f"torchrun exited with {code}{where}", pytrace=False)
+        left = PEER_LEFT.search(error[0]) if error else None
+        if left:
+            why = (f"a process waited in a collective that the other never called (it left: gloo's {left[0]!r}): "
+                   "every process must make the same collective calls, in the same order")
+        else:
+            why = f"{error['name']}: {error['message'][:300]}" if error else f"its output ends: {output[-500:]}"
+        pytest.fail(f"torchrun exited with {code}: {why}", pytrace=False)
     records = {}
     for rank in range(PROCESSES):
         path = directory / f"rank{rank}.json"
