@@ -428,6 +428,9 @@ FIRST_STUB = {
     "pipeline": (10, {"pipeline.one_f_one_b": "one_f_one_b", "pipeline.stage_step": "forward_step"}),
     # ColumnParallelLinear.forward (the learner's first stub) is met before f and g are called.
     "tensor_parallel": (7, {"tensor_parallel.column_row_linear": "forward", "tensor_parallel.loss_scaler": "unscale_"}),
+    "planner": (10, {"planner.model_state_bytes_per_gpu": "model_state_bytes_per_gpu",
+                     "planner.activation_bytes_per_gpu": "activation_bytes_per_gpu",
+                     "planner.memory_per_gpu": "memory_per_gpu", "planner.torchrun_all_reduce": "torchrun_all_reduce"}),
 }
 
 
@@ -569,3 +572,28 @@ def test_compression_a_forgotten_residual_and_a_missing_d_over_k_lose_exactly_th
     assert "the residual is missing" in failed["test_the_residual_keeps_what_was_dropped"]
     assert "the d/k = 4 scale is missing" in failed["test_keeps_k_positions_scaled_by_d_over_k"]
     assert "the mean over 4000 draws is k/d x, not x" in failed["test_is_unbiased_by_sampling"]
+
+
+def test_planner_zero_0_sharded_micro_batches_forgotten_and_float32_lose_exactly_their_points(tmp_path):
+    # Three classic mistakes in an otherwise correct solution, graded in one run: Psi divided
+    # by N_d whatever the ZeRO stage, the first stage's min(K, M) micro-batches in flight
+    # forgotten, and the torchrun sum taken in float32 (values beyond its 24 bits).
+    failed = graded_with_mistakes("planner", {
+        "model.psi / (plan.t * plan.K), plan.zero, plan.N_d, *precision)":
+            "model.psi / (plan.t * plan.K * plan.N_d), plan.zero, 1, *precision)",
+        "activations = layer * (model.L // plan.K) * min(plan.K, plan.M)": "activations = layer * (model.L // plan.K)",
+        "torch.tensor([value], dtype=torch.int64, device=device)  #":
+            "torch.tensor([value], dtype=torch.float32, device=device)  #",
+    }, tmp_path)
+    states = ["test_data_parallelism_replicates_or_shards_by_the_zero_stage",
+              "test_tensor_and_pipeline_parallelism_split_the_model", "test_with_the_precision_given"]
+    activations = ["test_the_micro_batches_in_flight_on_the_first_stage", "test_with_recompute"]
+    total = "test_states_plus_activations_on_every_plan"
+    launched = "test_every_process_gets_the_sum_one_process_computes"
+    assert sorted(failed) == sorted([*states, *activations, total, launched])
+    for name in states:
+        assert "you divided Psi by N_d but ZeRO-0 replicates every model state" in failed[name], failed[name]
+    for name in activations:
+        assert "you forgot the micro-batches in flight on the first stage" in failed[name], failed[name]
+    assert "the sum is right, one of the parts is not" in failed[total]
+    assert "the values went through float32" in failed[launched]
