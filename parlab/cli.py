@@ -16,6 +16,7 @@ from parlab.bench import (
     ddp,
     emulation,
     pipeline,
+    plan,
     runtime,
     tensor_parallel,
     to_json,
@@ -34,6 +35,7 @@ BENCHES = {
     "tensor_parallel": tensor_parallel,
     "compression": compression,
     "async": async_sgd,
+    "plan": plan,
 }
 
 

@@ -1,6 +1,7 @@
 """Emulated devices: a layer that only takes time.
 
     SleepLayer(t_f, t_b, t_w)    identity on values; forward takes t_f, backward t_b (+ t_w)
+    ComputeTime(t_f, t_b)        the same without a parameter, to put in front of a real layer
 
 A timeline made of these reproduces a schedule on any machine: the layer sleeps instead of
 computing, which releases the CPU, so K ranks on 2 cores take the same time as on K cores,
@@ -45,6 +46,28 @@ class SleepLayer(nn.Module):
         self.steps += 1
         return _SleepThrough.apply(x, self.forward_s, self.backward_s, self.steps) + _SleepWeight.apply(
             self.weight, self.weight_s, self.steps)
+
+
+class ComputeTime(nn.Module):
+    """y = x, declaring a compute time without a parameter: the forward sleeps ``forward_s``
+    and the backward ``backward_s`` (scaled as ``SleepLayer``'s). In front of a real layer,
+    ``nn.Sequential(ComputeTime(f, 2 * f), layer)`` gives that layer a declared time on top
+    of its own (small) arithmetic, and leaves the model's parameters, its flat buffers and
+    shards exactly as they were (a ``SleepLayer`` would add its ``weight``)."""
+
+    def __init__(self, forward_s, backward_s):
+        super().__init__()
+        for name, seconds in (("forward_s", forward_s), ("backward_s", backward_s)):
+            real_number(name, seconds, "sleep times cannot be negative: give each in seconds, e.g. 0.01.")
+        self.forward_s, self.backward_s = forward_s, backward_s
+        self.steps = -1
+
+    def extra_repr(self):
+        return f"forward_s={self.forward_s}, backward_s={self.backward_s}"
+
+    def forward(self, x):
+        self.steps += 1
+        return _SleepThrough.apply(x, self.forward_s, self.backward_s, self.steps)
 
 
 class _SleepThrough(torch.autograd.Function):

@@ -13,6 +13,7 @@ from parlab.bench import (
     ddp,
     emulation,
     pipeline,
+    plan,
     ratio_header,
     runtime,
     tensor_parallel,
@@ -103,9 +104,19 @@ def async_result():
             "rows": async_sgd.add_ratios([row("sync", SLOW), row("gossip", FAST)])}
 
 
+def plan_result():
+    from parlab.plan import measure
+
+    chosen = measure.predicted_plans(layouts=measure.LAYOUTS[:1])[0]
+    row = plan.plan_row(measure.Measured(chosen, chosen.memory, chosen.time, 100, FAST * chosen.time.total))
+    return {"torch_version": "t", "cpu_count": 2, "steps": 1, "cluster": "c", "link": "l", "peak_flops": 1e9,
+            "batch": 16, "psi": 8, "ratio_means": ratio_header(plan.REFERENCE), "rows": [row]}
+
+
 RESULTS = {"collectives": collectives_result, "ddp": ddp_result, "pipeline": pipeline_result, "zero": zero_result,
            "runtime": runtime_result, "emulation": emulation_result, "tensor_parallel": tensor_parallel_result,
-           "compression": compression_result, "async": async_result}
+           "compression": compression_result, "async": async_result,
+           "plan": plan_result}
 
 
 def test_every_bench_is_checked_here():

@@ -6,14 +6,18 @@ plan with the sentence that rejects it.
     inputs.py    Model, Batch, Cluster and their presets (small GPT, 7B, 70B; DGX A100 nodes)
     planner.py   plans, best_plans, plan_memory, plan_time, Plan, Memory, StepTime
     table.py     plan_table (a list of dicts) and format_table (text)
+    measure.py   run_plan, check_plans: plans of the small GPT run on emulated ranks, beside
+                 the prediction
 
     from parlab.plan import Batch, Cluster, Model, best_plans
     best_plans(Model.llama2_70b(), Batch(B=1536, b=1), Cluster.dgx_a100(nodes=64))
 """
 
 from parlab.plan.inputs import GIB, Batch, Cluster, Model
+from parlab.plan.measure import Measured, check_plans, emulated_cluster, run_plan
 from parlab.plan.planner import Memory, Plan, StepTime, best_plans, grids, plan_memory, plan_time, plans
 from parlab.plan.table import format_table, plan_table
 
-__all__ = ["GIB", "Batch", "Cluster", "Model", "Memory", "Plan", "StepTime", "best_plans", "format_table", "grids",
+__all__ = ["GIB", "Batch", "Cluster", "Measured", "Model", "Memory", "Plan", "StepTime", "best_plans", "check_plans",
+           "emulated_cluster", "format_table", "grids", "run_plan",
            "plan_memory", "plan_table", "plan_time", "plans"]

@@ -181,9 +181,13 @@ def plan_memory(model, plan, precision=MIXED_ADAM, sequence_parallel=True):
     return Memory(states, activations)
 
 
-def plan_time(model, batch, cluster, plan, precision=MIXED_ADAM, efficiency=0.5, sequence_parallel=True):
+def plan_time(model, batch, cluster, plan, precision=MIXED_ADAM, efficiency=0.5, sequence_parallel=True,
+              activation_bytes=ACTIVATION_BYTES, overlapped=STAGES):
     """``StepTime`` of one step of ``plan`` (a ``Plan``; its estimates are not read), by the
-    module docstring's formula."""
+    module docstring's formula. ``activation_bytes``: bytes of one activation value in the
+    tensor and pipeline messages (2: 16-bit). ``overlapped``: the ZeRO stages whose data-axis
+    communication runs behind backward (module docstring, "Overlap"); an engine that
+    communicates after backward, on the critical path, is costed with ``overlapped=()``."""
     N_d, t, K, zero, b, M, recompute = _layout(model, plan)
     N, s, h = cluster.gpus, model.s, model.h
     compute = (8 if recompute else 6) * model.psi * batch.B * s / (N * cluster.peak_flops * efficiency)
@@ -191,18 +195,18 @@ def plan_time(model, batch, cluster, plan, precision=MIXED_ADAM, efficiency=0.5,
     if t > 1:
         link = cluster.intra if cluster.within_node(t) else cluster.inter
         all_reduces = (6 if recompute else 4) * (model.L // K) * M
-        tensor = all_reduces * cost_model("ring", b * s * h * ACTIVATION_BYTES, t, link.latency, 1 / link.bandwidth)
+        tensor = all_reduces * cost_model("ring", b * s * h * activation_bytes, t, link.latency, 1 / link.bandwidth)
     pipeline = 0.0
     if K > 1:
         link = cluster.intra if cluster.within_node(N) else cluster.inter
-        pipeline = 2 * M * link.time(b * s * h * ACTIVATION_BYTES / (t if sequence_parallel else 1))
+        pipeline = 2 * M * link.time(b * s * h * activation_bytes / (t if sequence_parallel else 1))
     busy = compute + tensor + pipeline
     idle = bubble_formula(K, M)
     return StepTime(compute, tensor, pipeline, busy * idle / (1 - idle), _exposed_data_seconds(
-        model, cluster, precision, N_d, t, K, zero, M, compute, recompute))
+        model, cluster, precision, N_d, t, K, zero, M, compute, recompute, zero in overlapped))
 
 
-def _exposed_data_seconds(model, cluster, precision, N_d, t, K, zero, M, compute, recompute):
+def _exposed_data_seconds(model, cluster, precision, N_d, t, K, zero, M, compute, recompute, overlaps):
     if N_d == 1:
         return 0.0
     link = cluster.intra if cluster.within_node(t * N_d) else cluster.inter
@@ -211,6 +215,8 @@ def _exposed_data_seconds(model, cluster, precision, N_d, t, K, zero, M, compute
                                                  link.bandwidth)
     seconds = one_micro_batch * {0: 1, 1: 1, 2: (M + 1) / 2, 3: M}[zero]
     backward = compute * (6 / 8 if recompute else 4 / 6)  # backward's share, its re-forward included
+    if not overlaps:
+        return seconds
     hidden_behind = {0: backward / M, 1: backward / M, 2: backward, 3: compute}[zero]
     return max(0.0, seconds - hidden_behind)
 

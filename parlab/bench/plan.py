@@ -1,0 +1,68 @@
+"""The planner against runs: predicted and measured step time and model-state bytes of the
+small GPT's plans on the emulated cluster of ``parlab.plan.measure``.
+
+Each plan of ``--plans`` (indices into ``parlab.plan.measure.LAYOUTS``, default all 12: every
+engine, with and without accumulation and recompute) runs ``--steps`` steps after a warm-up
+on one cluster of 4 ranks with the emulated link and declared compute; each row gives the
+planner's step time and its terms, the measured median (each step's slowest rank), ``ratio``
+= measured / predicted (the one convention: parlab's run over the reference, here the
+planner's prediction; below 1 the run beat the prediction), and the model-state bytes,
+predicted and measured. The run's own CPU work (the ranks' real arithmetic and Python's
+messages, about 0.1 to 0.4 s a step on 2 shared cores) comes on top of the declared time:
+it is why ratios sit a little above 1 here, and why the declared device is slow.
+"""
+
+import os
+
+import torch
+
+from parlab.bench import check_arguments, format_seconds, format_table, positive_int, progress, ratio_header
+from parlab.plan import measure
+
+REFERENCE = "the planner's prediction (parlab.plan.plan_time, the run's engines' overlap)"
+
+
+def add_arguments(parser):
+    parser.add_argument("--steps", type=positive_int, default=2, help="timed steps per plan (default 2)")
+    parser.add_argument("--plans", type=int, nargs="+", metavar="I", choices=range(len(measure.LAYOUTS)),
+                        help=f"indices into parlab.plan.measure.LAYOUTS (default: all {len(measure.LAYOUTS)})")
+
+
+def run(args):
+    return bench_plan(args.steps, args.plans)
+
+
+def bench_plan(steps=2, plans=None):
+    """Run the plans of ``measure.LAYOUTS`` (all, or the indices ``plans``) and return the
+    JSON-ready result: one row per plan."""
+    check_arguments(steps=steps)
+    layouts = measure.LAYOUTS if plans is None else [measure.LAYOUTS[i] for i in plans]
+    progress("plan", f"{len(layouts)} plans on {measure.emulated_cluster().name}, {steps} steps each")
+    rows = [plan_row(m) for m in measure.check_plans(steps=steps, layouts=layouts, desc="parlab bench plan")]
+    return {"torch_version": torch.__version__, "cpu_count": os.cpu_count(), "steps": steps,
+            "cluster": measure.emulated_cluster().name, "link": measure.LINK.describe(),
+            "peak_flops": measure.PEAK_FLOPS, "batch": measure.BATCH.B, "psi": measure.model().psi,
+            "ratio_means": ratio_header(REFERENCE), "rows": rows}
+
+
+def plan_row(m):
+    """One row of the result from a ``parlab.plan.Measured``."""
+    p, t = m.plan, m.predicted_time
+    return {"plan": f"{p.N_d}x{p.t}x{p.K} ZeRO-{p.zero} b={p.b} M={p.M}{' recompute' if p.recompute else ''}",
+            "predicted_s": t.total, "terms": t._asdict(), "measured_s": m.step_seconds, "ratio": m.time_ratio,
+            "predicted_state_bytes": m.predicted_memory.states.total, "measured_state_bytes": m.state_bytes,
+            "state_ratio": m.state_ratio}
+
+
+def format_report(result):
+    headers = ["plan (N_d x t x K)", "predicted", "compute", "tensor", "pipeline", "bubble", "data", "measured",
+               "ratio", "states predicted", "measured", "ratio"]
+    rows = [[row["plan"], format_seconds(row["predicted_s"]),
+             *(format_seconds(row["terms"][term]) for term in ("compute", "tensor", "pipeline", "bubble", "data")),
+             format_seconds(row["measured_s"]), f"{row['ratio']:.3f}", f"{row['predicted_state_bytes']:,.0f}",
+             f"{row['measured_state_bytes']:,}", f"{row['state_ratio']:.4f}"] for row in result["rows"]]
+    return (f"parlab bench plan: {result['cluster']}, link {result['link']}, {result['peak_flops']:.3g} FLOP/s "
+            f"declared per rank; small GPT (Psi = {result['psi']:,}), B = {result['batch']}, {result['steps']} "
+            f"steps per plan; torch {result['torch_version']}, {result['cpu_count']} CPU cores\n"
+            f"{ratio_header(REFERENCE)}\n\n{format_table(headers, rows)}")
+

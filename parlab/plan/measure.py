@@ -1,0 +1,182 @@
+"""The planner checked against runs: plans of the small GPT trained by parlab's engines on a
+``parlab.Cluster`` whose link and devices are emulated, their step time and model-state bytes
+put beside ``plan_time`` and ``plan_memory``.
+
+The emulated cluster (``emulated_cluster()``): one node of 4 ranks joined by one ``Link``
+(``LINK``: 100 us + bytes / 25 MB/s, every port alike, so a plan's layout on the ranks does not
+change its links), each rank a device of ``PEAK_FLOPS`` whose compute is declared: a
+``parlab.emulated.ComputeTime`` in front of every transformer layer sleeps 2 (Psi / L) b s / t
+seconds / peak forward and twice that backward (and the forward again when it is recomputed),
+so L layers of M micro-batches take the planner's 6 Psi B s / (N peak) (8 with recompute).
+The CPU's own work (the ranks' real arithmetic and Python's messages, 0.1 to 0.4 s a step on
+2 shared cores) adds to it: the declared device is slow (2.5 s of compute a step) so that it
+stays a small share. (``parlab.plan.runs`` is the ranks' side.) The model is ``CONFIG``, the GPT of
+lecture 07 with L = 4 layers (Psi = 817,920), trained with Adam in fp32 (``FP32_ADAM``,
+4-byte activations in the messages).
+
+What runs each plan, and the overlap the prediction assumes for it (``plan_time``'s
+``overlapped``): parlab's engines, not DeepSpeed's or Megatron's, so what they do is costed:
+
+    t  K  ZeRO   engine                                          data axis behind backward
+    1  1  0      parlab.ddp.DDP, a bucket per layer, no_sync     yes (a communication thread)
+    1  1  1, 2   parlab.zero.ZeroDP(stage), one bucket           no (after backward)
+    1  1  3      parlab.zero.FSDP, a unit per layer              no (gathers as it goes)
+    >1 1  0      TensorDataParallel (sequence parallel), M = 1   no (after backward)
+    1  >1 0      PipelineDataParallel, 1F1B                      no (after the schedule)
+
+Measured per plan: the step time (each step's slowest rank; the median of ``steps`` after one
+warm-up step) and each rank's model states when the gradients are synchronized, before the
+optimizer's step (``parlab.memory.measure_model_state``; the largest over ranks). The prediction's states are
+exact for data parallelism at stages 1 to 3 (a flat buffer of Psi padded to N_d, views as
+gradients); DDP keeps a second copy of the gradients in its buckets (4 Psi more; torch's
+``gradient_as_bucket_view`` avoids it); tensor and pipeline plans keep the replicated and the
+first and last stages' embedding parameters, which the planner's Psi / (t K) spreads evenly.
+"""
+
+import statistics
+from dataclasses import replace
+from typing import NamedTuple
+
+from parlab.memory import FP32_ADAM
+from parlab.plan.inputs import GIB, Batch, Cluster, Model
+from parlab.plan.planner import Memory, Plan, StepTime, plan_memory, plan_time, plans
+from parlab.plan.runs import CONFIG, train_plan
+from parlab.runtime import Link
+
+LINK = Link(latency=100e-6, bandwidth=10e6)
+PEAK_FLOPS = 0.5e9
+BATCH = Batch(16, b=(2, 4, 8, 16))
+# (N_d, t, K, ZeRO, b, recompute): every engine of the table, with and without accumulation and recompute
+LAYOUTS = ((4, 1, 1, 0, 4, False), (4, 1, 1, 0, 2, False), (4, 1, 1, 0, 4, True), (4, 1, 1, 1, 4, False),
+           (4, 1, 1, 2, 2, False), (4, 1, 1, 3, 4, False), (1, 4, 1, 0, 16, False), (2, 2, 1, 0, 8, False),
+           (2, 2, 1, 0, 8, True), (1, 4, 1, 0, 16, True), (1, 1, 4, 0, 2, False), (2, 1, 2, 0, 2, False))
+
+
+class Measured(NamedTuple):
+    """A ``plan`` run: the planner's ``predicted_memory`` (``Memory``) and ``predicted_time``
+    (``StepTime``) beside the measured ``state_bytes`` (the largest rank's model states) and
+    ``step_seconds`` (the median step of the slowest rank)."""
+
+    plan: Plan
+    predicted_memory: Memory
+    predicted_time: StepTime
+    state_bytes: int
+    step_seconds: float
+
+    @property
+    def time_ratio(self):
+        """Measured over predicted step time."""
+        return self.step_seconds / self.predicted_time.total
+
+    @property
+    def state_ratio(self):
+        """Measured over predicted model-state bytes."""
+        return self.state_bytes / self.predicted_memory.states.total
+
+
+def emulated_cluster():
+    """The planner's view of the emulated cluster (module docstring): 1 node of 4 ranks."""
+    return Cluster(4, 1, memory=GIB, peak_flops=PEAK_FLOPS, intra=LINK, inter=LINK, name="emulated: 1 node x 4 ranks")
+
+
+def model():
+    """The planner's ``Model`` of ``CONFIG`` (Psi counted from the module)."""
+    return Model.small_gpt(CONFIG)
+
+
+def runnable(plan):
+    """None if ``run_plan`` can run ``plan``, else the sentence saying why not (module table)."""
+    if plan.t > 1 and plan.K > 1:
+        return "tensor and pipeline parallelism together are not built here: choose t = 1 or K = 1."
+    if plan.t > 1 and (plan.zero or plan.M != 1):
+        return "tensor-parallel plans run ZeRO 0 with one micro-batch per replica (b = B / N_d) here."
+    if plan.K > 1 and (plan.zero or plan.recompute):
+        return "pipeline plans run ZeRO 0 without recompute here."
+    return None
+
+
+def overlapped(plan):
+    """The ZeRO stages whose data-axis communication the plan's engine hides behind backward."""
+    return (0,) if plan.t == plan.K == 1 else ()
+
+
+def predicted_plans(batch=BATCH, cluster=None, layouts=LAYOUTS):
+    """The planner's ``Plan`` for each layout (module ``LAYOUTS``: (N_d, t, K, ZeRO, b,
+    recompute)), its estimates as ``predict`` costs the run."""
+    cluster = cluster or emulated_cluster()
+    every = {(p.N_d, p.t, p.K, p.zero, p.b, p.recompute): p
+             for p in plans(model(), batch, cluster, FP32_ADAM, efficiency=1.0, max_bubble=1.0, reserve=0)}
+    chosen = []
+    for layout in layouts:
+        if layout not in every:
+            raise ValueError(f"{layout} is not a plan of {cluster.gpus} ranks for B = {batch.B}: give (N_d, t, K, "
+                             "ZeRO, b, recompute) with N_d t K = the ranks and b dividing B / N_d.")
+        plan = every[layout]
+        chosen.append(replace(plan, time=predict(plan, batch, cluster)[1]))
+    return chosen
+
+
+def predict(plan, batch=BATCH, cluster=None):
+    """(``Memory``, ``StepTime``) of ``plan`` as the run is costed: fp32 Adam (``FP32_ADAM``),
+    efficiency 1 (the declared compute is the peak's), 4-byte activations in the messages, and
+    the overlap of the plan's engine (``overlapped``)."""
+    gpt, cluster = model(), cluster or emulated_cluster()
+    seconds = plan_time(gpt, batch, cluster, plan, FP32_ADAM, efficiency=1.0, activation_bytes=4,
+                        overlapped=overlapped(plan))
+    return plan_memory(gpt, plan, FP32_ADAM), seconds
+
+
+def declared_forward_seconds(plan, cluster=None):
+    """The forward's declared time of one layer for one micro-batch on one rank of ``plan``:
+    2 (Psi / L) b s / t FLOPs at the cluster's peak (module docstring)."""
+    gpt = model()
+    return 2 * (gpt.psi / gpt.L) * plan.b * gpt.s / (plan.t * (cluster or emulated_cluster()).peak_flops)
+
+
+def run_plan(plan, batch=BATCH, cluster=None, steps=3, runtime=None):
+    """Train the small GPT ``steps`` + 1 steps with ``plan`` on ``runtime`` (a ``parlab.Cluster``
+    of the plan's ranks; one is started and closed if None) with the emulated link, and return
+    its ``Measured``."""
+    cluster = cluster or emulated_cluster()
+    reason = runnable(plan)
+    if reason:
+        raise ValueError(f"cannot run {plan}: {reason}")
+    memory, seconds = predict(plan, batch, cluster)
+    forward_s = declared_forward_seconds(plan, cluster)
+    layout = (plan.N_d, plan.t, plan.K, plan.zero, plan.b, plan.M, plan.recompute)
+    own = runtime is None
+    if own:
+        from parlab.runtime import Cluster as Ranks
+
+        runtime = Ranks(cluster.gpus)
+    try:
+        with runtime.emulate(link=cluster.intra):
+            results = runtime.run(train_plan, layout, batch.B, forward_s, steps)
+    finally:
+        if own:
+            runtime.close()
+    step_seconds = statistics.median(max(times) for times in zip(*(r["times"] for r in results)))
+    return Measured(plan, memory, seconds, max(r["state_bytes"] for r in results), step_seconds)
+
+
+def check_plans(batch=BATCH, cluster=None, steps=3, runtime=None, layouts=LAYOUTS, desc="plans"):
+    """``run_plan`` for the plan of each of ``layouts`` (by default the module's 12), one after
+    another on one cluster of ranks, with a progress bar; returns their ``Measured``."""
+    from parlab.runtime.progress import progress_bar
+
+    chosen = predicted_plans(batch, cluster, layouts)
+    own = runtime is None
+    if own:
+        from parlab.runtime import Cluster as Ranks
+
+        runtime = Ranks((cluster or emulated_cluster()).gpus)
+    try:
+        with progress_bar(len(chosen), desc, unit="plan") as bar:
+            measured = []
+            for plan in chosen:
+                measured.append(run_plan(plan, batch, cluster, steps, runtime))
+                bar.update(1)
+        return measured
+    finally:
+        if own:
+            runtime.close()
