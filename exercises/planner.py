@@ -1,6 +1,6 @@
 # Generated from solutions/planner.py by `python -m parlab.exercises build`.
 # Write your code where it raises NotImplementedError, then run `python -m parlab.grade planner`.
-# parlab-generated sha256=2c53243a2834b8d2c7c9718af04f7aada1d3fb0af804f312b85b96c7038b04fd
+# parlab-generated sha256=c6342c4cd92904519224ba79c354f8ade71cf3d62975bd62f76da687856e0dfb
 """Exercise: the memory one GPU of a plan holds, and a script ready for torchrun.
 
 Part 1, memory per GPU. A plan (``parlab.plan.Plan``) places N = N_d t K GPUs: N_d
@@ -131,9 +131,14 @@ def main(argv=None):
     parser.add_argument("--values", help="the integers of processes 0, 1, ..., comma-separated")
     parser.add_argument("--out", help="a directory to write each process's rank<r>.json into")
     args = parser.parse_args(argv)
-    rank = int(os.environ["RANK"])
-    value = int(args.values.split(",")[rank]) if args.values else rank + 1
-    result = torchrun_all_reduce(value)
+    if "RANK" not in os.environ:
+        raise ValueError("RANK is not set: run this file under torchrun, e.g. "
+                         "torchrun --standalone --nproc-per-node 2 planner.py")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    values = [int(v) for v in args.values.split(",")] if args.values else [r + 1 for r in range(world_size)]
+    if len(values) != world_size:
+        raise ValueError(f"--values gives {len(values)} integers for {world_size} processes: give one per process.")
+    result = torchrun_all_reduce(values[rank])
     print(f"process {rank}: {result}", flush=True)
     if args.out:
         environment = {name: os.environ[name] for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}

@@ -155,9 +155,14 @@ def main(argv=None):
     parser.add_argument("--values", help="the integers of processes 0, 1, ..., comma-separated")
     parser.add_argument("--out", help="a directory to write each process's rank<r>.json into")
     args = parser.parse_args(argv)
-    rank = int(os.environ["RANK"])
-    value = int(args.values.split(",")[rank]) if args.values else rank + 1
-    result = torchrun_all_reduce(value)
+    if "RANK" not in os.environ:
+        raise ValueError("RANK is not set: run this file under torchrun, e.g. "
+                         "torchrun --standalone --nproc-per-node 2 planner.py")
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    values = [int(v) for v in args.values.split(",")] if args.values else [r + 1 for r in range(world_size)]
+    if len(values) != world_size:
+        raise ValueError(f"--values gives {len(values)} integers for {world_size} processes: give one per process.")
+    result = torchrun_all_reduce(values[rank])
     print(f"process {rank}: {result}", flush=True)
     if args.out:
         environment = {name: os.environ[name] for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
