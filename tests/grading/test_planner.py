@@ -245,6 +245,7 @@ def own_parts(impl, model, plan, precision, sequence_parallel, got):
 
 
 @pytest.mark.task("torchrun_all_reduce")
+@pytest.mark.timeout(DEADLINE_S + 30)  # the launch's own deadline ends a hang first, saying so
 class TestTorchrunAllReduce:
     @pytest.mark.points(1)
     def test_every_process_gets_the_sum_one_process_computes(self, launched):
