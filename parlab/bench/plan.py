@@ -58,7 +58,7 @@ def format_report(result):
     headers = ["plan (N_d x t x K)", "predicted", "compute", "tensor", "pipeline", "bubble", "data", "measured",
                "ratio", "states predicted", "measured", "ratio"]
     rows = [[row["plan"], format_seconds(row["predicted_s"]),
-             *(format_seconds(row["terms"][term]) for term in ("compute", "tensor", "pipeline", "bubble", "data")),
+             *(_seconds(row["terms"][term]) for term in ("compute", "tensor", "pipeline", "bubble", "data")),
              format_seconds(row["measured_s"]), f"{row['ratio']:.3f}", f"{row['predicted_state_bytes']:,.0f}",
              f"{row['measured_state_bytes']:,}", f"{row['state_ratio']:.4f}"] for row in result["rows"]]
     return (f"parlab bench plan: {result['cluster']}, link {result['link']}, {result['peak_flops']:.3g} FLOP/s "
@@ -66,3 +66,6 @@ def format_report(result):
             f"steps per plan; torch {result['torch_version']}, {result['cpu_count']} CPU cores\n"
             f"{ratio_header(REFERENCE)}\n\n{format_table(headers, rows)}")
 
+
+def _seconds(seconds):
+    return format_seconds(seconds) if seconds else "-"  # a term the plan does not have
