@@ -5,20 +5,8 @@ and the hints a learner opens on purpose.
     python -m parlab.exercises check [TOPIC ...]             exit 1 if any is out of date
     hint("collectives.ring_reduce_scatter")                  the next hint for a task
 
-A solution marks what the learner writes with two comment lines:
-
-        # BEGIN SOLUTION: the N - 1 ring steps
-        ...reference code...
-        # END SOLUTION
-
-The exercise has in their place, at the indentation of the BEGIN line,
-
-        raise NotImplementedError("ring_reduce_scatter is not implemented yet: the N - 1 ring steps")
-
-naming the function around the block; the text after ``BEGIN SOLUTION:`` is an optional
-note on what goes there. Everything else (docstrings, helpers, imports) is copied as it is:
-the docstring is the specification (what the function computes, its shapes and formula,
-what it returns and may call), never the steps to write.
+How a solution's marked blocks become stubs, and the header that tells a learner's edits from
+an older generation: ``parlab.exercise_stubs``.
 
 Hints. The step-by-step help lives in the solution too, in one block that the exercise
 leaves out, at the top level of the file:
@@ -31,9 +19,8 @@ one entry per graded task (``tests/grading/test_<topic>.py``), three levels each
 (``HINT_LEVELS``). ``hint("<topic>.<task>")`` prints them one level at a time, each call the
 next; ``python -m parlab.grade --hint <topic>.<task> [--level L]`` prints one from a terminal.
 
-Edited exercises are safe. A generated file starts with a header whose last line holds the
-SHA-256 of the text below it. A file whose text no longer matches its hash was edited by
-the learner: ``build`` leaves it alone, and says so, unless ``force``.
+Edited exercises are safe. A file whose text no longer matches the hash in its header was
+edited by the learner: ``build`` leaves it alone, and says so, unless ``force``.
 
 Out of date. ``check`` (and a test of the suite) compares each exercise as generated with a
 fresh generation, so CI fails when a solution changed but its exercise was not rebuilt. It
@@ -43,55 +30,25 @@ never judges a learner's work: an edited file is set aside for the version git's
 
 import argparse
 import ast
-import hashlib
 import inspect
-import json
-import re
 import subprocess
 import sys
 from pathlib import Path
 
+from parlab.exercise_stubs import BEGIN_HINTS, END_HINTS, generate, was_edited
+
+__all__ = ["HINT_LEVELS", "ROOT", "build", "fresh", "generate", "generated_status", "hint", "hint_tasks", "hint_text",
+           "hints", "main", "stale", "status", "topics", "was_edited"]
+
 # The repository: parlab is installed from it in editable mode (pip install -e .).
 ROOT = Path(__file__).resolve().parent.parent
-
-_BEGIN = re.compile(r"^(?P<indent>[ \t]*)# BEGIN SOLUTION(?::[ \t]*(?P<note>.*?))?[ \t]*$")
-_END = re.compile(r"^[ \t]*# END SOLUTION[ \t]*$")
-_BEGIN_HINTS = re.compile(r"^# BEGIN HINTS\b.*$")
-_END_HINTS = re.compile(r"^# END HINTS[ \t]*$")
 HINT_LEVELS = ("a nudge", "the plan", "a sketch close to the solution")
-_DEF = re.compile(r"^(?P<indent>[ \t]*)(?:async[ \t]+)?def[ \t]+(?P<name>\w+)")
-_HASH_LINE = re.compile(r"^# parlab-generated sha256=(?P<digest>[0-9a-f]{64})$")
-_HEADER = (
-    "# Generated from solutions/{topic}.py by `python -m parlab.exercises build`.\n"
-    "# Write your code where it raises NotImplementedError, then run `python -m parlab.grade {topic}`.\n"
-    "# parlab-generated sha256={digest}\n"
-)
-_HEADER_LINES = _HEADER.count("\n")
 
 
 def topics(root=ROOT):
     """The topics that have a solution: the names of ``solutions/*.py``, sorted."""
     paths = (Path(root) / "solutions").glob("*.py")
     return sorted(path.stem for path in paths if not path.stem.startswith("_"))
-
-
-def generate(source, topic, source_name=None):
-    """The exercise text for the solution text ``source``: every BEGIN/END SOLUTION block
-    replaced by a ``raise NotImplementedError``, under a header holding the hash of the rest.
-
-    Raises ValueError (naming the line) for unbalanced markers or a result that is not
-    valid Python.
-    """
-    source_name = source_name or f"solutions/{topic}.py"
-    body = _stub_blocks(source, topic, source_name)
-    try:
-        compile(body, source_name, "exec")
-    except SyntaxError as exc:
-        raise ValueError(
-            f"{source_name}: the exercise generated from it is not valid Python (line {exc.lineno}: "
-            f"{exc.msg}); put the SOLUTION markers around whole statements."
-        ) from exc
-    return _HEADER.format(topic=topic, digest=_digest(body)) + body
 
 
 def fresh(topic, root=ROOT):
@@ -121,15 +78,6 @@ def generated_status(topic, root=ROOT):
     if state == "edited":
         return state, f"exercises/{topic}.py was edited, in git's HEAD too"
     return state, f"exercises/{topic}.py in git's HEAD (the working file was edited)"
-
-
-def was_edited(text):
-    """Whether an exercise file's text differs from what generated it (per its header hash)."""
-    lines = text.splitlines(keepends=True)
-    if len(lines) < _HEADER_LINES:
-        return True
-    match = _HASH_LINE.match(lines[_HEADER_LINES - 1].rstrip("\n"))
-    return match is None or match["digest"] != _digest("".join(lines[_HEADER_LINES:]))
 
 
 def build(names=None, force=False, root=ROOT):
@@ -191,8 +139,8 @@ def hints(topic, root=ROOT):
     ValueError naming the file when the block is missing or not such a dict."""
     name = f"solutions/{topic}.py"
     lines = (Path(root) / "solutions" / f"{topic}.py").read_text().splitlines()
-    starts = [i for i, line in enumerate(lines) if _BEGIN_HINTS.match(line)]
-    ends = [i for i, line in enumerate(lines) if _END_HINTS.match(line)]
+    starts = [i for i, line in enumerate(lines) if BEGIN_HINTS.match(line)]
+    ends = [i for i, line in enumerate(lines) if END_HINTS.match(line)]
     if len(starts) != 1 or len(ends) != 1 or ends[0] < starts[0]:
         raise ValueError(f"{name} needs one block of hints, '# BEGIN HINTS' ... '# END HINTS', at the top level.")
     block = ast.parse("\n".join(lines[starts[0] + 1 : ends[0]]), name).body
@@ -242,58 +190,6 @@ def main(argv=None):
             failed = True
             print(f"{where} is {state}: run `python -m parlab.exercises build {topic}` and commit it.")
     return 1 if failed else 0
-
-
-def _stub_blocks(source, topic, source_name):
-    lines = source.splitlines(keepends=True)
-    out, begin, hints_begin = [], None, None
-    for number, line in enumerate(lines, start=1):
-        text = line.rstrip("\r\n")
-        if hints_begin is not None:
-            if _END_HINTS.match(text):
-                hints_begin = None
-        elif _BEGIN_HINTS.match(text):
-            if begin is not None:
-                raise ValueError(f"{source_name}, line {number}: BEGIN HINTS inside the SOLUTION block opened on "
-                                 f"line {begin}.")
-            hints_begin = number
-        elif _BEGIN.match(text):
-            if begin is not None:
-                raise ValueError(
-                    f"{source_name}, line {number}: BEGIN SOLUTION inside the block opened on line {begin}."
-                )
-            begin, match = number, _BEGIN.match(text)
-            name = _enclosing_function(lines, number, match["indent"]) or topic
-            out.append(_stub(match["indent"], name, match["note"]))
-        elif _END.match(text):
-            if begin is None:
-                raise ValueError(f"{source_name}, line {number}: END SOLUTION without a BEGIN SOLUTION above.")
-            begin = None
-        elif begin is None:
-            out.append(line)
-    if begin is not None:
-        raise ValueError(f"{source_name}, line {begin}: BEGIN SOLUTION is never closed by an END SOLUTION.")
-    if hints_begin is not None:
-        raise ValueError(f"{source_name}, line {hints_begin}: BEGIN HINTS is never closed by an END HINTS.")
-    return "".join(out).rstrip("\n") + "\n"  # the blank lines before a final hints block go with it
-
-
-def _stub(indent, name, note):
-    message = f"{name} is not implemented yet" + (f": {note}" if note else "")
-    return f"{indent}raise NotImplementedError({json.dumps(message, ensure_ascii=False)})\n"
-
-
-def _enclosing_function(lines, number, indent):
-    """The name of the innermost ``def`` above line ``number`` that is less indented."""
-    for line in reversed(lines[: number - 1]):
-        match = _DEF.match(line)
-        if match and len(match["indent"]) < len(indent):
-            return match["name"]
-    return None
-
-
-def _digest(text):
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _checked_topics(names, root):
