@@ -247,6 +247,33 @@ def test_replicated_parameters_stay_whole_and_train_like_one_process(cluster2):
         assert torch.equal(tensor, results[1][3][name]), f"{name}: the replicas differ"
 
 
+def trained_hybrid_with_vectors_replicated():
+    """HYBRID_SHARD (2 x 2) per layer with the 1-D parameters left replicated: the full
+    parameters, each unit's (name, shard-group size) and the replicated Parameters' values."""
+    engine = FSDP(build(seed=dist.get_rank()), torch.optim.Adam, strategy="HYBRID_SHARD", wrap_policy="per_layer",
+                  replicate=lambda name, p: p.ndim == 1, **ADAM[1])
+    train(engine)
+    units = [(unit.name, unit.layout.world_size) for unit in engine.units]
+    replicated = {name: p.detach().clone() for name, p in engine.module.named_parameters()
+                  if name.endswith("flat_replicated")}
+    return engine.full_parameters(), units, replicated
+
+
+@pytest.mark.timeout(90)
+def test_replicated_parameters_beside_hybrid_shard_on_4_ranks_train_like_one_process(cluster4):
+    """Four ranks in two shard groups of 2: the matrices are sharded within a pair (and the
+    shards all-reduced across pairs), the vectors stay whole on all 4 and are all-reduced over
+    all 4; the same Adam steps as one process on the full batch."""
+    results = cluster4.run(trained_hybrid_with_vectors_replicated, timeout=90)
+    for rank, (parameters, units, replicated) in enumerate(results):
+        assert_equivalent(parameters, reference("adam"), ring_arithmetic("adam", 4), f"rank {rank}, hybrid replicate")
+        sizes = dict(units)
+        assert {sizes[name] for name in sizes if name.endswith("flat_replicated")} == {1}
+        assert {size for name, size in sizes.items() if not name.endswith("flat_replicated")} == {2}
+        for name, tensor in replicated.items():
+            assert torch.equal(tensor, results[0][2][name]), f"{name}: rank {rank}'s replica differs from rank 0's"
+
+
 def resumed_with_vectors_replicated(directory):
     """Save full and sharded checkpoints of a replicate= engine after 2 steps; fresh engines
     load each and take step 3: the parameters of 3 steps straight?"""
