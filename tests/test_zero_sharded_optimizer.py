@@ -125,6 +125,72 @@ def test_state_dict_round_trip_resumes_bit_for_bit(cluster2):
         assert added is not None and "constructor" in added
 
 
+def given_gradient(p, step):
+    """The same gradient on every rank and in one process, different at each step."""
+    return torch.sin(torch.arange(p.numel(), dtype=p.dtype) + 10 * step).reshape(p.shape)
+
+
+def adam_with_given_gradients(first, last, saved=None, path=None):
+    """Steps ``first`` .. ``last`` - 1 of Adam through ShardedOptimizer with given gradients,
+    after loading ``saved`` (model and full optimizer state, a file) if given; rank 0 saves
+    the same to ``path`` if given. Returns the parameters and the full state dict."""
+    model = build(seed=0)
+    if saved is not None:
+        checkpoint = torch.load(saved)
+        model.load_state_dict(checkpoint["model"])
+    optimizer = ShardedOptimizer(param_groups(model), torch.optim.Adam)
+    if saved is not None:
+        optimizer.load_full_state_dict(checkpoint["optimizer"])
+    for step in range(first, last):
+        for p in model.parameters():
+            p.grad = given_gradient(p, step)
+        optimizer.step()
+    full = optimizer.full_state_dict()
+    if path is not None and dist.get_rank() == 0:
+        torch.save({"model": model.state_dict(), "optimizer": full}, path)
+    return [p.detach().clone() for p in model.parameters()], full
+
+
+def plain_adam(steps):
+    model = build(seed=0)
+    optimizer = torch.optim.Adam(param_groups(model))
+    for step in range(steps):
+        for p in model.parameters():
+            p.grad = given_gradient(p, step)
+        optimizer.step()
+    return model, optimizer
+
+
+@pytest.mark.timeout(120)
+def test_the_full_state_dict_is_adams_state_and_resumes_on_another_world_size(cluster4, cluster2, tmp_path):
+    """Two steps on 4 ranks, the gathered state saved; loaded on 2 ranks for step 3: the very
+    parameters and state of torch's Adam in one process (the same elementwise arithmetic)."""
+    path = str(tmp_path / "checkpoint.pt")
+    saved = cluster4.run(adam_with_given_gradients, 0, 2, path=path, timeout=60)
+    _, adam = plain_adam(2)
+    for _, full in saved:
+        for group, params in enumerate(adam.param_groups):
+            for key in ("exp_avg", "exp_avg_sq"):
+                expected = torch.cat([adam.state[p][key].flatten() for p in params["params"]])
+                assert torch.equal(full["state"][group][key], expected), (group, key)
+            assert full["state"][group]["step"] == 2 and full["param_groups"][group]["lr"] == LRS[group]
+    resumed = cluster2.run(adam_with_given_gradients, 2, 3, saved=path, timeout=60)
+    straight, _ = plain_adam(3)
+    for parameters, _ in resumed:
+        assert all(torch.equal(a, b) for a, b in zip(parameters, straight.parameters()))
+    for refused in cluster2.run(load_a_full_state_of_another_model, path, timeout=60):
+        assert "same model and param groups" in refused
+
+
+def load_a_full_state_of_another_model(path):
+    optimizer = ShardedOptimizer(param_groups(build(seed=0)), torch.optim.Adam)
+    try:
+        optimizer.load_full_state_dict({**torch.load(path)["optimizer"], "numels": [1, 2]})
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def steps_with_given_gradients(steps):
     model = build(seed=0)
     optimizer = ShardedOptimizer(param_groups(model), torch.optim.SGD)

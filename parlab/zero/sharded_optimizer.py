@@ -35,7 +35,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     the full parameters and the options (a learning-rate scheduler may change them; they
     reach the inner optimizer at each step); ``state`` is the inner optimizer's, keyed by the
     shards. ``state_dict()`` is this rank's shard of the state: each rank saves its own and
-    loads it back on the same N_d and rank. Parameters cannot be added after construction.
+    loads it back on the same N_d and rank; ``full_state_dict()`` gathers the whole state,
+    which ``load_full_state_dict`` loads on any N_d. Parameters cannot be added after
+    construction.
     """
 
     def __init__(self, params, optimizer_cls, group=None, **kwargs):
@@ -134,6 +136,57 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(inner)
         for g, loaded in zip(self.param_groups, self.optimizer.param_groups):
             g.update(_options(loaded))
+
+
+    def full_state_dict(self):
+        """The whole optimizer state, gathered (every rank calls it; each gets the same):
+        per param group, each state tensor of the shard's size as one tensor over all the
+        group's parameters in their flat order (``numels`` elements, padding dropped), the
+        scalars (Adam's step) as they are, and the groups' options. Loads on any N_d with
+        ``load_full_state_dict``, as the model's own state dict does."""
+        for g, inner in zip(self.param_groups, self.optimizer.param_groups):
+            inner.update(_options(g))
+        saved = self.optimizer.state_dict()
+        state = {}
+        for index, layout in enumerate(self.layouts):
+            state[index] = {key: self._gathered(layout, value) if _is_sharded(value, layout) else value
+                            for key, value in saved["state"].get(index, {}).items()}
+        return {"state": state, "param_groups": [_options(g) for g in saved["param_groups"]],
+                "numels": [layout.numel for layout in self.layouts]}
+
+    def load_full_state_dict(self, state_dict):
+        """Load a ``full_state_dict()`` saved on any N_d: each rank keeps its shard of it."""
+        numels = [layout.numel for layout in self.layouts]
+        if state_dict.get("numels") != numels:
+            raise ValueError(f"this full state dict holds param groups of {state_dict.get('numels')} elements, this "
+                             f"optimizer {numels}: load it into an optimizer over the same model and param groups.")
+        state = {}
+        for index, layout in enumerate(self.layouts):
+            state[index] = {key: self._own_shard(layout, value) if _is_whole(value, layout) else value
+                            for key, value in state_dict["state"].get(index, {}).items()}
+        groups = [{**options, "params": [index]} for index, options in enumerate(state_dict["param_groups"])]
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        for g, loaded in zip(self.param_groups, self.optimizer.param_groups):
+            g.update(_options(loaded))
+
+    def _gathered(self, layout, shard):
+        flat = torch.zeros(layout.padded_numel, dtype=shard.dtype, device=shard.device)
+        layout.shard(flat, self.rank).copy_(shard)
+        collectives.ring_all_gather(flat, check=False, group=self.group)
+        return flat[:layout.numel].clone()
+
+    def _own_shard(self, layout, full):
+        flat = torch.zeros(layout.padded_numel, dtype=full.dtype, device=self.flat_params[0].device)
+        flat[:layout.numel] = full
+        return layout.shard(flat, self.rank).clone()
+
+
+def _is_sharded(value, layout):  # a state tensor per element of the shard (Adam's moments; not its step)
+    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == layout.shard_numel
+
+
+def _is_whole(value, layout):  # the same, gathered over the whole param group
+    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == layout.numel
 
 
 def _as_list(params):
