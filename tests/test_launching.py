@@ -8,8 +8,6 @@ is killed, with its children, if it misses it or fails."""
 import functools
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -26,7 +24,7 @@ STEPS, BATCH, LR = 2, 8, 0.5
 OPTIONS = ["--steps", str(STEPS), "--batch", str(BATCH), "--lr", str(LR), "--backend", "gloo"]
 # torchrun beside this interpreter first (the venv's), then wherever PATH finds it.
 SEARCH_PATH = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-TORCHRUN = shutil.which("torchrun", path=SEARCH_PATH)
+TORCHRUN = train.torchrun_path()
 needs_torchrun = pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not on PATH")
 DEADLINE = 120  # seconds for a launch; a hang fails the test instead of the session
 
@@ -62,50 +60,11 @@ def assert_like_one_process(weights, losses, world_size, label):
     assert_equivalent(torch.tensor(losses), reference[1], [d[1] for d in decomposed], f"{label}: losses")
 
 
-def descendants(pid):
-    """The processes below ``pid`` (read from /proc; none where there is no /proc). torchrun
-    starts its workers in sessions of their own, so killing its process group misses them."""
-    children = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def run_together(commands, directory, deadline=DEADLINE):
-    """Run ``commands`` at the same time in ``directory``; return their outputs once all have
-    exited 0. A command that fails or is still running at the deadline fails the test, and
-    every process started here is killed first, children included."""
-    logs = [directory / f"command{i}.log" for i in range(len(commands))]
-    processes = []
-    for command, log in zip(commands, logs):
-        with open(log, "w") as output:
-            processes.append(subprocess.Popen(command, cwd=directory, stdout=output, stderr=subprocess.STDOUT,
-                                              start_new_session=True))
-    end = time.monotonic() + deadline
-    try:
-        while any(p.poll() is None for p in processes) and time.monotonic() < end:
-            if any(p.poll() not in (None, 0) for p in processes):
-                break  # one failed: the others may wait for it forever
-            time.sleep(0.1)
-        codes = [p.poll() for p in processes]
-    finally:
-        for process in processes:
-            for pid in [*descendants(process.pid), process.pid] if process.poll() is None else []:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            process.wait()
-    outputs = [log.read_text() for log in logs]
+    """Run ``commands`` at the same time in ``directory`` (``parlab.train.run_with_deadline``);
+    return their outputs once all have exited 0. A command that fails or is still running at
+    the deadline fails the test, every process started having been killed, children included."""
+    codes, outputs = train.run_with_deadline(commands, directory, deadline)
     if codes != [0] * len(commands):
         report = "\n".join(f"$ {' '.join(c)}\n(exit {code})\n{out[-3000:]}" for c, code, out in
                            zip(commands, codes, outputs))
