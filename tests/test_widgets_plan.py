@@ -1,14 +1,15 @@
 """The planner's chart, table and widget without a browser: the points are the planner's
 numbers, the table its rows, the widget answers its controls and shows a bad value as a
-sentence."""
+sentence; "run this plan" runs the chosen plan on emulated ranks (for the small GPT only) and
+shows it beside the prediction; the predicted-vs-measured chart and text show each run."""
 
 import sys
 
 import matplotlib
 import pytest
 
-from parlab.plan import GIB, Batch, Cluster, Model, format_table, plan_table, plans
-from parlab.widgets.plan import cluster_of, plan_widget, plot_plans
+from parlab.plan import GIB, Batch, Cluster, Measured, Model, format_table, measure, plan_table, plans
+from parlab.widgets.plan import cluster_of, format_measured, plan_widget, plot_plans, plot_predicted_vs_measured
 
 matplotlib.use("Agg")
 SEVENTY_B, SIXTY_FOUR_NODES = Model.llama2_70b(), Cluster.dgx_a100(64)
@@ -68,7 +69,7 @@ def test_the_default_micro_batches_stay_within_the_batch():
 def test_the_widget_answers_its_controls():
     widget = plan_widget(model="small GPT", B=512, nodes=1)
     (chosen, batch), (machines, per_node, memory), (intra, inter) = (row.children for row in widget.children[:3])
-    feedback, image, table = widget.children[-3:]
+    feedback, image, table = widget.children[3:6]
     status = feedback.children[0]
     assert image.value[:4] == b"\x89PNG" and "accepted" in table.value
     expected = plans(Model.small_gpt(), Batch(512), cluster_of(8, 1, 80, intra.value, inter.value))
@@ -86,7 +87,7 @@ def test_the_widget_answers_its_controls():
 
 def test_an_error_while_planning_is_shown_as_its_sentence(monkeypatch):
     widget = plan_widget(model="small GPT", B=512, nodes=1)
-    batch, status = widget.children[0].children[1], widget.children[-3].children[0]
+    batch, status = widget.children[0].children[1], widget.children[3].children[0]
 
     def refuse(*args, **kwargs):
         raise ValueError("B must split: change it.")
@@ -112,3 +113,88 @@ def test_without_ipywidgets_the_widget_is_the_static_figure(monkeypatch):
     with pytest.warns(UserWarning, match="ipywidgets is not installed"):
         figure = plan_widget(model="7B", B=512, nodes=4)
     assert isinstance(figure, Figure) and len(points(figure.axes[0])) == 8
+
+
+def run_controls(widget):
+    """The model dropdown, the status line, the plan to run, the button and the run's output."""
+    (to_run, run), measured = widget.children[6].children, widget.children[7]
+    return widget.children[0].children[0], widget.children[3].children[0], to_run, run, measured
+
+
+@pytest.mark.timeout(180)
+def test_run_this_plan_measures_the_chosen_plan_of_the_small_gpt():
+    widget = plan_widget(model="small GPT", B=512, nodes=1)
+    chosen, status, to_run, run, measured = run_controls(widget)
+    runnable = sorted(measure.predicted_plans(), key=lambda p: p.time.total)
+    assert len(to_run.options) == len(runnable) >= 10 and not run.disabled and not to_run.disabled
+    assert f"predicts {runnable[0].time.total:.3g} s per step" in measured.value
+    to_run.value = 1
+    assert f"predicts {runnable[1].time.total:.3g} s per step" in measured.value
+    run.click()
+    assert "parlab-error" not in status.value, status.value
+    [header, line] = measured.value.removeprefix("<pre>").removesuffix("</pre>").splitlines()
+    plan = runnable[1]
+    assert line.split()[:5] == ["1", f"{plan.N_d}x{plan.t}x{plan.K}", f"Z{plan.zero}", f"b={plan.b}", f"M={plan.M}"]
+    predicted_s, measured_s, ratio = (float(word) for word in line.split()[-6:-3])
+    assert predicted_s == round(plan.time.total, 3) and ratio == round(measured_s / plan.time.total, 2)
+    assert f"its step took {ratio:.2f} x the prediction" in status.value
+
+
+def test_run_this_plan_is_for_the_small_gpt_only():
+    widget = plan_widget(model="small GPT", B=512, nodes=1)
+    chosen, status, to_run, run, measured = run_controls(widget)
+    chosen.value = "7B"
+    assert run.disabled and to_run.disabled
+    assert "Only the small GPT runs here" in measured.value and "the 7B would need a real cluster" in measured.value
+    run.click()  # a disabled button's handlers still run when called from Python: they refuse
+    assert "only the small GPT runs on this machine, not the 7B" in status.value and "parlab-error" in status.value
+    chosen.value = "small GPT"
+    assert not run.disabled and "predicts" in measured.value
+
+
+def test_a_failed_run_is_shown_as_a_sentence(monkeypatch):
+    widget = plan_widget(model="small GPT", B=512, nodes=1)
+    _, status, _, run, measured = run_controls(widget)
+    before = measured.value
+
+    def crash(plan, **options):
+        raise RuntimeError("rank 2 died")
+
+    monkeypatch.setattr("parlab.plan.measure.run_plan", crash)
+    run.click()
+    assert "Running the plan failed: RuntimeError: rank 2 died" in status.value and measured.value == before
+
+
+def made_up_runs(ratios):
+    """Measured runs of the checked plans with step times ``ratio`` x the prediction (no ranks)."""
+    chosen = measure.predicted_plans()[:len(ratios)]
+    states = [int(p.memory.states.total) for p in chosen]
+    return [Measured(p, p.memory, p.time, s, p.time.total * r) for p, s, r in zip(chosen, states, ratios)]
+
+
+def test_predicted_against_measured_points_and_band():
+    rows = made_up_runs([1.0, 1.1, 0.8, 1.3])
+    ax = plot_predicted_vs_measured(rows)
+    plotted = {line.get_gid(): line for line in ax.lines if (line.get_gid() or "").startswith("measured")}
+    assert {gid: tuple(line.get_xydata()[0]) for gid, line in plotted.items()} == {
+        f"measured-{i}": (r.predicted_time.total, r.step_seconds) for i, r in enumerate(rows, 1)}
+    assert [plotted[f"measured-{i}"].get_color() for i in range(1, 5)] == ["C0", "C0", "C3", "C3"]  # 0.8, 1.3: out
+    [diagonal] = [line for line in ax.lines if line.get_gid() is None]
+    low, high = diagonal.get_xdata()
+    assert list(diagonal.get_ydata()) == [low, high] and (low, high) == ax.get_xlim() == ax.get_ylim()
+    [band] = ax.collections
+    corners = band.get_paths()[0].vertices
+    assert corners[:, 1].min() == pytest.approx(low * 0.85) and corners[:, 1].max() == pytest.approx(high * 1.15)
+    assert [t.get_text() for t in ax.texts] == ["1", "2", "3", "4"]  # the numbers of format_measured's lines
+    with pytest.raises(ValueError, match="rows is empty"):
+        plot_predicted_vs_measured([])
+
+
+def test_the_measured_text_has_both_times_and_both_byte_counts():
+    rows = made_up_runs([1.1, 0.95])
+    rows[1] = rows[1]._replace(state_bytes=rows[1].state_bytes * 2)
+    header, *lines = format_measured(rows).splitlines()
+    assert header.split()[:4] == ["#", "plan", "predicted", "s"] and len(lines) == 2 and lines[1].startswith(" 2 ")
+    words = lines[1].split()
+    assert words[-1] == "2.00" and words[-4] == "0.95"  # states doubled; time 0.95 x
+    assert words[-2] == f"{rows[1].state_bytes:,}" and words[-3] == f"{rows[1].predicted_memory.states.total:,.0f}"

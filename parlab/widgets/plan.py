@@ -1,21 +1,29 @@
 """The planner's widget (lecture 08): the fastest plans for a model on a cluster, as a chart of
-memory per GPU against step time and as a table.
+memory per GPU against step time and as a table; and plans run on emulated ranks beside their
+prediction.
 
     plot_plans(every, cluster, n)        the n fastest accepted plans, the GPU's memory as a line
-    plan_widget(model, nodes, ...)       model, batch, nodes, GPU memory and link speeds as controls
+    plan_widget(model, nodes, ...)       model, batch, nodes, GPU memory and link speeds as controls,
+                                         and "run this plan" for the small GPT on emulated ranks
+    plot_predicted_vs_measured(rows)     measured against predicted step time, a band of +-15%
+    format_measured(rows)                the same rows as text, model-state bytes too
 
 The numbers are ``parlab.plan``'s; this module only draws them. The cluster is built from the
 controls with ``Cluster.dgx_a100``'s peak FLOP/s and latencies; memory and bandwidths move.
 """
 
-from parlab.plan import GIB, Batch, Cluster, Model, format_table, plan_table, plans
+import html
+
+from parlab.plan import GIB, Batch, Cluster, Model, format_table, measure, plan_table, plans
 from parlab.runtime import Link
-from parlab.widgets._common import FIT, Feedback, import_ipywidgets, in_range, log_slider, png, show_static
+from parlab.widgets._common import FIT, Feedback, button, import_ipywidgets, in_range, log_slider, png, show_static
 
 MODELS = {"small GPT": Model.small_gpt, "7B": Model.llama2_7b, "70B": Model.llama2_70b}
 NODES = (1, 2, 4, 8, 16, 32, 64)
 FIGSIZE = (7, 4)
 A100 = Cluster.dgx_a100()
+RUNS = "small GPT"  # the model "run this plan" runs (lecture 07's GPT, measure.CONFIG's size)
+TOLERANCE = 0.15  # issue 16's criterion: a measured step within 15% of the prediction
 
 
 def plot_plans(every, cluster, n=10, ax=None):
@@ -31,8 +39,8 @@ def plot_plans(every, cluster, n=10, ax=None):
     for rank, plan in enumerate(accepted):
         ax.plot(plan.time.total, plan.memory.total / GIB, "*" if rank == 0 else "o", color="C1" if rank == 0 else "C0",
                 markersize=14 if rank == 0 else 6, gid=f"plan-{rank}")
-        ax.annotate(f"{plan.N_d}x{plan.t}x{plan.K} Z{plan.zero}{' rc' if plan.recompute else ''}",
-                    (plan.time.total, plan.memory.total / GIB), fontsize=7, xytext=(4, 4), textcoords="offset points")
+        ax.annotate(_label(plan), (plan.time.total, plan.memory.total / GIB), fontsize=7, xytext=(4, 4),
+                    textcoords="offset points")
     if not accepted:
         first = next((p for p in every if p.memory is not None), every[0])
         ax.text(0.5, 0.5, f"no plan accepted ({len(every)} rejected);\ne.g. {' '.join(first.reasons)}",
@@ -55,9 +63,12 @@ def cluster_of(gpus_per_node, nodes, memory_gib, intra_gbs, inter_gbs):
 def plan_widget(model="70B", B=1536, nodes=64, memory_gib=80, n=8):
     """``plot_plans`` and ``format_table`` of the ``n`` fastest plans with controls: the model
     (small GPT, 7B, 70B), the global batch B, nodes of 1 to 8 GPUs, each GPU's memory, and
-    the intra- and inter-node bandwidths. Displays a static picture of the first state (kept
-    by a saved notebook) and returns an ipywidgets VBox; without ipywidgets, warns and returns
-    the static figure."""
+    the intra- and inter-node bandwidths. Under them, for the small GPT only, a plan of
+    ``parlab.plan.measure``'s (the GPT of lecture 07 on 4 ranks with an emulated link and
+    declared compute) and "run this plan": ``run_plan`` trains it for two steps and the
+    widget shows ``format_measured`` of the run, measured beside predicted. Displays a static
+    picture of the first state (kept by a saved notebook) and returns an ipywidgets VBox;
+    without ipywidgets, warns and returns the static figure."""
     if model not in MODELS:
         raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}: pick one of them.")
     in_range("B (the global batch)", B, 1, 1 << 20, "give B from 1 to 1,048,576 samples.", whole=True)
@@ -78,6 +89,10 @@ def plan_widget(model="70B", B=1536, nodes=64, memory_gib=80, n=8):
     intra = log_slider(A100.intra.bandwidth / 1e9, 0, 3, "intra-node GB/s", continuous_update=False)
     inter = log_slider(A100.inter.bandwidth / 1e9, -1, 3, "inter-node GB/s", continuous_update=False)
     image, table, feedback = widgets.Image(format="png"), widgets.HTML(), Feedback()
+    runnable = sorted(measure.predicted_plans(), key=lambda p: p.time.total)  # fastest predicted first
+    to_run = widgets.Dropdown(options=[(_label(p, long=True), i) for i, p in enumerate(runnable)],
+                              description="plan on 4 emulated ranks", style=FIT)
+    measured = widgets.HTML()
 
     def redraw(_=None):
         cluster = cluster_of(per_node.value, machines.value, memory.value, intra.value, inter.value)
@@ -86,9 +101,76 @@ def plan_widget(model="70B", B=1536, nodes=64, memory_gib=80, n=8):
         table.value = f"<pre>{format_table(plan_table(every, n, rejected=3 if every[0].rejected else 0))}</pre>"
         feedback.say(f"{sum(not p.rejected for p in every)} of {len(every)} plans accepted.")
 
+    def offer(_=None):
+        to_run.disabled = run.disabled = chosen.value != RUNS
+        if run.disabled:
+            measured.value = html.escape(f"Only the {RUNS} runs here (on 4 emulated ranks of this machine): the "
+                                         f"{chosen.value} would need a real cluster. Pick the {RUNS} to run a plan.")
+            return
+        plan = runnable[to_run.value]
+        measured.value = html.escape(f"{_label(plan, long=True)}: the planner predicts {plan.time.total:.3g} s per "
+                                     f"step; \"run this plan\" starts 4 ranks and measures it.")
+
+    def run_selected(_=None):
+        if chosen.value != RUNS:
+            raise ValueError(f"only the {RUNS} runs on this machine, not the {chosen.value}: pick the {RUNS}.")
+        plan = runnable[to_run.value]
+        feedback.say(f"running {_label(plan, long=True)} on 4 emulated ranks...")
+        result = measure.run_plan(plan, steps=1)  # one warm-up step and one measured: the emulated time barely varies
+        measured.value = f"<pre>{html.escape(format_measured([result]))}</pre>"
+        feedback.say(f"ran {_label(plan, long=True)}: its step took {result.time_ratio:.2f} x the prediction.")
+
+    run = button("run this plan", feedback.guard(run_selected, "Running the plan"))
     for control in (chosen, batch, machines, per_node, memory, intra, inter):
         control.observe(feedback.guard(redraw, "Planning"), names="value")
+    for control in (chosen, to_run):
+        control.observe(feedback.guard(offer, "Choosing a plan to run"), names="value")
     redraw()
+    offer()
     show_static(image.value, f"the fastest plans for the {model} on {nodes} nodes")
     rows = [widgets.HBox([chosen, batch]), widgets.HBox([machines, per_node, memory]), widgets.HBox([intra, inter])]
-    return widgets.VBox([*rows, feedback.box, image, table])
+    return widgets.VBox([*rows, feedback.box, image, table, widgets.HBox([to_run, run]), measured])
+
+
+def plot_predicted_vs_measured(rows, ax=None, tolerance=TOLERANCE):
+    """Each run of ``rows`` (``parlab.plan.Measured``, e.g. ``check_plans()``) as a point:
+    predicted step time across, measured up, numbered as ``format_measured`` numbers its
+    lines; the diagonal (measured = predicted) and the band within ``tolerance`` of it;
+    points outside the band in red. Returns the axes."""
+    import matplotlib.pyplot as plt
+
+    if not rows:
+        raise ValueError("rows is empty: pass the Measured runs of check_plans() or run_plan(...).")
+    ax = ax or plt.figure(figsize=FIGSIZE).subplots()
+    times = [t for r in rows for t in (r.predicted_time.total, r.step_seconds)]
+    ends = [min(times) * 0.8, max(times) * 1.2]
+    ax.plot(ends, ends, color="grey", linewidth=1, label="measured = predicted")
+    ax.fill_between(ends, [e * (1 - tolerance) for e in ends], [e * (1 + tolerance) for e in ends], color="grey",
+                    alpha=0.2, label=f"within {tolerance:.0%}")
+    for i, row in enumerate(rows, 1):
+        inside = abs(row.time_ratio - 1) <= tolerance
+        ax.plot(row.predicted_time.total, row.step_seconds, "o", color="C0" if inside else "C3", gid=f"measured-{i}")
+        ax.annotate(str(i), (row.predicted_time.total, row.step_seconds), fontsize=8, xytext=(4, 4),
+                    textcoords="offset points")
+    ax.set(xlim=ends, ylim=ends, xlabel="predicted step time (s)", ylabel="measured step time (s)",
+           title=f"step time of {len(rows)} plans (numbered as in the table)")
+    ax.legend(loc="upper left", fontsize=8)
+    return ax
+
+
+def format_measured(rows):
+    """``rows`` (``parlab.plan.Measured``) as text: one numbered line per plan with its
+    predicted and measured step time and model-state bytes, and measured / predicted for each."""
+    lines = [f"{'#':>2} {'plan':24} {'predicted s':>11} {'measured s':>10} {'ratio':>5}  {'predicted states':>16} "
+             f"{'measured states':>15} {'ratio':>5}"]
+    for i, r in enumerate(rows, 1):
+        lines.append(f"{i:2} {_label(r.plan, long=True):24} {r.predicted_time.total:11.3f} {r.step_seconds:10.3f} "
+                     f"{r.time_ratio:5.2f}  {r.predicted_memory.states.total:16,.0f} {r.state_bytes:15,} "
+                     f"{r.state_ratio:5.2f}")
+    return "\n".join(lines)
+
+
+def _label(plan, long=False):
+    """N_d x t x K and the ZeRO stage (rc: recompute); ``long`` adds b and M."""
+    micro = f" b={plan.b} M={plan.M}" if long else ""
+    return f"{plan.N_d}x{plan.t}x{plan.K} Z{plan.zero}{micro}{' rc' if plan.recompute else ''}"
