@@ -3,6 +3,7 @@ the step time's terms by hand, how many plans are enumerated, the sentences that
 plan, the ValueErrors, and two published facts about which plans win. Pure arithmetic."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -12,13 +13,15 @@ from parlab.pipeline import bubble_formula
 from parlab.plan import GIB, Batch, Cluster, Model, Plan, best_plans, grids, plan_memory, plan_time, plans
 from parlab.runtime import Link
 from parlab.tensor_parallel.activations import korthikanti_bytes
+from parlab.zero.formulas import offload_state_bytes
 
 SEVEN_B, SEVENTY_B = Model.llama2_7b(), Model.llama2_70b()
 NODE, FOUR_NODES, SIXTY_FOUR_NODES = (Cluster.dgx_a100(nodes) for nodes in (1, 4, 64))
 
 
-def find(every, **layout):
-    [plan] = [p for p in every if all(getattr(p, name) == value for name, value in layout.items())]
+def find(every, offload=False, **layout):
+    [plan] = [p for p in every if p.offload == offload and all(getattr(p, name) == value
+                                                               for name, value in layout.items())]
     return plan
 
 
@@ -27,7 +30,7 @@ def find(every, **layout):
 
 def test_memory_of_every_accepted_plan_is_the_zero_table_plus_korthikanti_times_in_flight():
     every = plans(SEVEN_B, Batch(512), FOUR_NODES, precision=FP32_ADAM)
-    accepted = [p for p in every if not p.rejected]
+    accepted = [p for p in every if not p.rejected and not p.offload]
     assert len(accepted) > 50
     for p in accepted:
         assert p.memory.states == model_state_bytes(SEVEN_B.psi / (p.t * p.K), p.zero, p.N_d, *FP32_ADAM)
@@ -125,10 +128,11 @@ def test_grids_are_every_ordered_factorisation(N, count):
 
 def test_every_plan_is_enumerated_once():
     every = plans(SEVEN_B, Batch(512, b=(1, 2, 4)), FOUR_NODES)
-    assert len(every) == 21 * 4 * 3 * 2
-    keys = {(p.N_d, p.t, p.K, p.zero, p.b, p.recompute) for p in every}
+    assert len(every) == 21 * (1 + 2 + 2 + 1) * 3 * 2  # stages 1 and 2 with and without offload
+    keys = {(p.N_d, p.t, p.K, p.zero, p.b, p.recompute, p.offload) for p in every}
     assert len(keys) == len(every)
-    assert len(plans(SEVEN_B, Batch(512, b=2), NODE, zero_stages=(0, 1))) == 10 * 2 * 1 * 2
+    assert len(plans(SEVEN_B, Batch(512, b=2), NODE, zero_stages=(0, 1))) == 10 * (1 + 2) * 1 * 2
+    assert len(plans(SEVEN_B, Batch(512, b=2), NODE, zero_stages=(0, 1), offload=(False,))) == 10 * 2 * 1 * 2
 
 
 def test_accepted_plans_come_first_fastest_first():
@@ -185,7 +189,8 @@ def test_the_reserve_rejects_a_plan_that_fits_only_in_the_last_tenth_of_memory()
     assert tight, "some 70B plan on 64 nodes must fill 72 to 80 GiB for this test to mean anything"
     reserved = plans(SEVENTY_B, Batch(1536), Cluster.dgx_a100(nodes=64))
     for plan in tight:
-        again = find(reserved, N_d=plan.N_d, t=plan.t, K=plan.K, zero=plan.zero, b=plan.b, recompute=plan.recompute)
+        again = find(reserved, N_d=plan.N_d, t=plan.t, K=plan.K, zero=plan.zero, b=plan.b, recompute=plan.recompute,
+                     offload=plan.offload)
         assert again.reasons == (f"does not fit: needs {plan.memory.total / GIB:.1f} GiB of 72.0 GiB "
                                  "(10% of 80.0 GiB kept free).",)
     assert all(p.memory.total <= 72 * GIB for p in reserved if not p.rejected)
@@ -266,3 +271,41 @@ def test_the_small_gpt_on_one_node_is_pure_data_parallelism():
 def test_mixed_precision_adam_is_the_default():
     plan = plans(SEVEN_B, Batch(512), NODE)[0]
     assert plan.memory.states == model_state_bytes(SEVEN_B.psi / (plan.t * plan.K), plan.zero, plan.N_d, *MIXED_ADAM)
+
+
+# --- offload --------------------------------------------------------------------------------
+
+
+def test_offload_keeps_the_parameters_on_the_gpu_and_the_optimizer_s_shard_on_the_host():
+    """ZeRO-Offload as parlab.zero.ZeroDP(offload=True) runs it, in the plan's precision."""
+    for stage in (1, 2):
+        plan = find(plans(SEVEN_B, Batch(512), FOUR_NODES), offload=True, N_d=16, t=2, K=1, zero=stage, b=1,
+                    recompute=False)
+        padded = -(-SEVEN_B.psi // 2 // 16) * 16  # Psi / t, padded to 16 shards
+        device, host = offload_state_bytes(padded, 16, stage, 12, 2)
+        assert plan.memory.states == device and plan.memory.host == host
+        assert device.optimizer == 0 and host.optimizer == 12 * padded / 16
+        assert plan.memory.total == device.total + plan_memory(SEVEN_B, replace(plan, offload=False)).activations
+
+
+def test_offload_costs_two_shards_over_pcie_and_the_host_s_step():
+    plan = find(plans(SEVEN_B, Batch(512), FOUR_NODES), offload=True, N_d=16, t=2, K=1, zero=1, b=1, recompute=False)
+    shard = -(-SEVEN_B.psi // 2 // 16)
+    host = FOUR_NODES.host
+    assert plan.time.offload == pytest.approx(2 * host.time(2 * shard) + shard / FOUR_NODES.host_update_rate)
+    without = plan_time(SEVEN_B, Batch(512), FOUR_NODES, replace(plan, offload=False))
+    assert plan.time._replace(offload=0.0) == without  # every other term is the same
+
+
+def test_70b_on_4_nodes_offloads_rather_than_recompute_and_1_node_s_host_memory_is_too_small():
+    accepted = [p for p in plans(SEVENTY_B, Batch(1536), FOUR_NODES) if not p.rejected]
+    best, without = accepted[0], next(p for p in accepted if not p.offload)
+    assert best.offload and not best.recompute and without.recompute
+    # the host's optimizer step costs less than recompute's second forward
+    assert best.time.offload < without.time.compute - best.time.compute
+    one = plans(SEVENTY_B, Batch(1536), NODE)
+    assert all(p.rejected for p in one)
+    hosted = find(one, offload=True, N_d=1, t=8, K=1, zero=2, b=1, recompute=True)
+    assert hosted.memory.total < 72 * GIB  # it would fit on the GPUs ...
+    assert hosted.reasons == (f"the host states do not fit: 8 GPUs x {hosted.memory.host.total / GIB:.1f} GiB on a "
+                              "node of 1024 GiB.",)  # ... but 16 bytes x 70B do not fit in a node's 1 TiB

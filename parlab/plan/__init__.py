@@ -4,7 +4,8 @@ GPU and its step time, from the formulas of the earlier lectures; ranked, and ea
 plan with the sentence that rejects it.
 
     inputs.py    Model, Batch, Cluster and their presets (small GPT, 7B, 70B; DGX A100 nodes)
-    planner.py   plans, best_plans, plan_memory, plan_time, Plan, Memory, StepTime
+    planner.py   plans, best_plans, Plan: every plan, ranked, rejected ones with a reason
+    costs.py     plan_memory, plan_time, Memory, StepTime: the formulas
     table.py     plan_table (a list of dicts) and format_table (text)
     measure.py   run_plan, check_plans: plans of the small GPT run on emulated ranks, beside
                  the prediction
@@ -13,9 +14,10 @@ plan with the sentence that rejects it.
     best_plans(Model.llama2_70b(), Batch(B=1536, b=1), Cluster.dgx_a100(nodes=64))
 """
 
+from parlab.plan.costs import Memory, StepTime, plan_memory, plan_time
 from parlab.plan.inputs import GIB, Batch, Cluster, Model
 from parlab.plan.measure import Measured, check_plans, emulated_cluster, run_plan
-from parlab.plan.planner import Memory, Plan, StepTime, best_plans, grids, plan_memory, plan_time, plans
+from parlab.plan.planner import Plan, best_plans, grids, plans
 from parlab.plan.table import format_table, plan_table
 
 __all__ = ["GIB", "Batch", "Cluster", "Measured", "Model", "Memory", "Plan", "StepTime", "best_plans", "check_plans",

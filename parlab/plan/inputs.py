@@ -15,7 +15,9 @@ Presets, with what they leave out:
 - ``Cluster.dgx_a100(nodes)``: nodes of 8 A100 80 GB (80 GiB each), 312e12 FLOP/s in bf16,
   NVLink inside a node (5 us + bytes / 300 GB/s, per direction) and one 200 Gb/s InfiniBand
   port per GPU between nodes (10 us + bytes / 25 GB/s): the machines of Narayanan et al.
-  2021 (Megatron-LM). The latencies are round figures, not measurements.
+  2021 (Megatron-LM). The latencies are round figures, not measurements; so are the offload
+  figures (``HOST_LINK``: PCIe 4.0 x16, 10 us + bytes / 25 GB/s; ``HOST_UPDATE_RATE``: 1.25e8
+  parameters/s per GPU; ``HOST_MEMORY``: 1 TiB per node).
 """
 
 import numbers
@@ -25,6 +27,11 @@ from parlab._checks import real_number, whole_number
 from parlab.runtime import Link
 
 GIB = 2**30
+# Offload (round figures, not measurements): PCIe 4.0 x16 between a GPU and its host, a node's
+# CPUs stepping Adam at about 1e9 parameters/s shared by its 8 GPUs, a DGX A100's 1 TB of RAM.
+HOST_LINK = Link(latency=10e-6, bandwidth=25e9)
+HOST_UPDATE_RATE = 1.25e8
+HOST_MEMORY = 1024 * GIB
 
 
 @dataclass(frozen=True)
@@ -109,7 +116,9 @@ class Batch:
 class Cluster:
     """``nodes`` machines of ``gpus_per_node`` GPUs, each with ``memory`` bytes and a peak of
     ``peak_flops`` FLOP/s; ``intra`` is the link between two GPUs of a node, ``inter`` a
-    GPU's link to another node (each GPU has its own port, as in ``parlab.Nodes``)."""
+    GPU's link to another node (each GPU has its own port, as in ``parlab.Nodes``). For
+    offload: ``host`` is a GPU's link to its host's memory, ``host_update_rate`` the
+    parameters per second the host's optimizer steps for one GPU, ``host_memory`` a node's."""
 
     gpus_per_node: int
     nodes: int
@@ -118,6 +127,9 @@ class Cluster:
     intra: Link
     inter: Link
     name: str = "cluster"
+    host: Link = HOST_LINK
+    host_update_rate: float = HOST_UPDATE_RATE
+    host_memory: float = HOST_MEMORY
 
     def __post_init__(self):
         whole_number("gpus_per_node", self.gpus_per_node, "give the GPUs of one node as a count, e.g. 8.")
@@ -125,7 +137,11 @@ class Cluster:
         real_number("memory (bytes per GPU)", self.memory, "give each GPU's memory in bytes, e.g. 80 * 2**30.",
                     above=True)
         real_number("peak_flops", self.peak_flops, "give one GPU's peak FLOP/s, e.g. 312e12.", above=True)
-        for name in ("intra", "inter"):
+        real_number("host_update_rate", self.host_update_rate, "give the parameters per second the host's optimizer "
+                    "steps for one GPU, e.g. 1.25e8.", above=True)
+        real_number("host_memory (bytes per node)", self.host_memory, "give a node's host memory in bytes, e.g. "
+                    "2**40.", above=True)
+        for name in ("intra", "inter", "host"):
             if not isinstance(getattr(self, name), Link):
                 raise ValueError(f"Cluster({name}=...) must be a parlab.Link, got {getattr(self, name)!r}: "
                                  "e.g. Link(latency=5e-6, bandwidth=300e9).")

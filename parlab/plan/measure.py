@@ -38,8 +38,9 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from parlab.memory import FP32_ADAM
+from parlab.plan.costs import Memory, StepTime, plan_memory, plan_time
 from parlab.plan.inputs import GIB, Batch, Cluster, Model
-from parlab.plan.planner import Memory, Plan, StepTime, plan_memory, plan_time, plans
+from parlab.plan.planner import Plan, plans
 from parlab.plan.runs import CONFIG, train_plan
 from parlab.runtime import Link
 

@@ -9,102 +9,35 @@ A group whose span divides the GPUs of a node lies inside one node and talks ove
 stage of the data axis (0 to 3), the micro-batch size b (M = B / (N_d b) micro-batches per
 replica, one after another on a stage) and full activation recompute, on or off.
 
-Memory per GPU (``plan_memory``), each term from the lecture that owns it:
-
-    model states   parlab.memory.model_state_bytes(Psi / (t K), zero, N_d, kappa, ...)   lecture 04
-    activations    korthikanti_bytes(s, b, h, a, t, sequence_parallel, recompute)        lecture 07
-                   x L / K layers x min(K, M) micro-batches in flight                      lecture 03
-                   (1F1B's first stage holds K; with recompute, plus one layer's full
-                   activations while it is recomputed)
-
-Step time (``plan_time``), in seconds:
-
-    compute   6 Psi B s FLOPs (8 Psi B s with recompute: a second forward) / (N peak efficiency)
-    tensor    (4 + 2 recompute) L / K M ring all-reduces of b s h 16-bit values on t ranks:
-              2 in forward, 2 in backward per layer (Megatron's f and g), 2 more when the
-              forward is recomputed; with sequence parallelism the all-gather and
-              reduce-scatter that replace each all-reduce move the same bytes
-    pipeline  2 M messages of b s h / t 16-bit values (b s h without sequence parallelism)
-              per stage: an activation forward and its gradient back, one Link.time each
-    bubble    (compute + tensor + pipeline) x f / (1 - f), f = bubble_formula(K, M) of
-              lecture 03: the busy time stretched by the idle share of 1F1B
-    data      ring_communication_seconds of Psi / (t K) gradients on N_d ranks (lecture 04),
-              per step for stages 0 and 1; stage 2 reduce-scatters every micro-batch's
-              gradients (M + 1 collectives, not 2), stage 3 also gathers the parameters for
-              every micro-batch's forward and backward (3 M, not 3): the ZeRO paper's counts
-              are for one micro-batch per step
-
-Overlap assumed for the data axis: its collectives run behind backward where the technique
-starts them during backward. Stages 0 and 1 (bucketed all-reduce) hide behind the last
-micro-batch's backward; stage 2 behind every micro-batch's backward (each reduce-scatters
-its own); stage 3 behind all compute (prefetched gathers). Only what sticks out is added.
-Tensor and pipeline messages sit on the critical path and are never hidden.
+What a plan costs, memory per GPU and step time, is ``parlab.plan.costs``'s (its docstring
+has the formulas). ZeRO-Offload (stages 1 and 2) is a further choice of a plan: ``offload``.
 
 A plan must fit in the GPU's memory less a reserve (``reserve``, 10% by default): what the
 formula leaves out still takes memory on a real GPU (the CUDA context, about 0.5 to 1 GiB;
 communication buffers, e.g. NCCL's and ZeRO's buckets; the caching allocator's
 fragmentation; the logits), so a plan at 79 of 80 GiB would not run.
 
-Left out: the embedding and output layers' activations and their uneven stages (Psi is split
-evenly over K stages), the logits, stage 3's gathered layer, buffers and fragmentation,
-offload, interleaved schedules; activations are the paper's 16-bit values and 1-byte masks
-whatever ``precision`` says of the model states.
+Host memory: with offload, the host states of a node's GPUs must fit in its
+``cluster.host_memory`` (no reserve there: a rough figure already).
 """
 
-import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from parlab._checks import real_number
-from parlab.alpha_beta import cost_model
-from parlab.memory import (
-    MIXED_ADAM,
-    STAGES,
-    ModelState,
-    Precision,
-    check_stage,
-    model_state_bytes,
-    ring_communication_seconds,
-    transformer_activation_bytes,
-)
+from parlab.memory import MIXED_ADAM, STAGES, Precision, check_stage
 from parlab.pipeline import bubble_formula
+from parlab.plan.costs import Memory, StepTime, plan_memory, plan_time
 from parlab.plan.inputs import GIB, Batch, Cluster, Model
 
-ACTIVATION_BYTES = 2  # 16-bit activations, as Korthikanti et al. count them
 RESERVE = 0.1  # the share of a GPU's memory no plan may use (module docstring)
-
-
-class Memory(NamedTuple):
-    """Bytes one GPU holds: its model states (a ``parlab.memory.ModelState``) and activations."""
-
-    states: ModelState
-    activations: float
-
-    @property
-    def total(self):
-        return self.states.total + self.activations
-
-
-class StepTime(NamedTuple):
-    """Seconds of one optimizer step, by where they go (the module docstring's terms); ``data``
-    is the data axis's time not hidden behind backward."""
-
-    compute: float
-    tensor: float
-    pipeline: float
-    bubble: float
-    data: float
-
-    @property
-    def total(self):
-        return sum(self)
 
 
 @dataclass(frozen=True)
 class Plan:
     """One placement: degrees ``N_d``, ``t``, ``K``, ZeRO stage ``zero``, micro-batch ``b`` and
     ``M`` micro-batches per replica, ``recompute`` on or off; its ``memory`` and ``time`` (None
-    when the plan cannot be built), and the ``reasons`` it is rejected, as sentences."""
+    when the plan cannot be built), the ``reasons`` it is rejected, as sentences, and
+    ``offload`` (ZeRO-Offload of the optimizer's shard to the host, stages 1 and 2)."""
 
     N_d: int
     t: int
@@ -116,6 +49,7 @@ class Plan:
     memory: Memory | None = None
     time: StepTime | None = None
     reasons: tuple = ()
+    offload: bool = False
 
     @property
     def rejected(self):
@@ -123,7 +57,7 @@ class Plan:
 
     def __str__(self):
         layout = (f"N_d={self.N_d} t={self.t} K={self.K} ZeRO-{self.zero} b={self.b} M={self.M} "
-                  f"recompute {'on' if self.recompute else 'off'}")
+                  f"recompute {'on' if self.recompute else 'off'}" + (" offload" if self.offload else ""))
         if self.memory is None:
             return f"{layout}: {' '.join(self.reasons)}"
         estimate = f"{self.memory.total / GIB:.1f} GiB, {self.time.total:.3g} s"
@@ -131,15 +65,16 @@ class Plan:
 
 
 def plans(model, batch, cluster, precision=MIXED_ADAM, efficiency=0.5, sequence_parallel=True, max_bubble=0.5,
-          tensor_across_nodes=False, zero_stages=STAGES, reserve=RESERVE):
+          tensor_across_nodes=False, zero_stages=STAGES, reserve=RESERVE, offload=(False, True)):
     """Every plan over N_d x t x K = N, each ZeRO stage of ``zero_stages``, each micro-batch
-    size of ``batch`` and recompute off/on: the accepted ones first, fastest first (then least
-    memory), then the rejected ones in the order they were enumerated. A plan is rejected when it cannot be
-    built (t does not divide a, K does not divide L, B does not split, M < K), when its
-    tensor group spans nodes (unless ``tensor_across_nodes``), when it does not fit in the
-    GPU's memory less ``reserve`` (a share of it kept free, module docstring), or when its
-    bubble is above ``max_bubble``. ``efficiency``: the share of peak FLOP/s that compute
-    reaches."""
+    size of ``batch``, recompute off/on and (at stages 1 and 2) each of ``offload``: the
+    accepted ones first, fastest first (then least memory), then the rejected ones in the
+    order they were enumerated. A plan is rejected when it cannot be built (t does not divide
+    a, K does not divide L, B does not split, M < K), when its tensor group spans nodes
+    (unless ``tensor_across_nodes``), when it does not fit in the GPU's memory less
+    ``reserve`` (a share of it kept free, module docstring) or its host states in the node's
+    host memory, or when its bubble is above ``max_bubble``. ``efficiency``: the share of
+    peak FLOP/s that compute reaches."""
     _check_inputs(model, batch, cluster, efficiency, max_bubble)
     real_number("reserve", reserve, "give the share of GPU memory to keep free, e.g. 0.1 (0 keeps none).")
     if reserve >= 1:
@@ -150,9 +85,10 @@ def plans(model, batch, cluster, precision=MIXED_ADAM, efficiency=0.5, sequence_
     for stage in zero_stages:
         check_stage(stage)
     every = [_assess(model, batch, cluster, precision, efficiency, sequence_parallel, max_bubble, tensor_across_nodes,
-                     reserve, N_d, t, K, zero, b, recompute)
+                     reserve, N_d, t, K, zero, b, recompute, host)
              for N_d, t, K in grids(cluster.gpus) for zero in zero_stages
-             for b in batch.micro_batch_sizes for recompute in (False, True)]
+             for b in batch.micro_batch_sizes for recompute in (False, True)
+             for host in (offload if zero in (1, 2) else (False,))]
     accepted = sorted((p for p in every if not p.rejected), key=lambda p: (p.time.total, p.memory.total))
     return accepted + [p for p in every if p.rejected]
 
@@ -167,62 +103,8 @@ def grids(N):
     return [(N // (t * K), t, K) for t in _divisors(N) for K in _divisors(N // t)]
 
 
-def plan_memory(model, plan, precision=MIXED_ADAM, sequence_parallel=True):
-    """``Memory`` of one GPU of ``plan`` (a ``Plan``; its estimates are not read), by the
-    module docstring's formula, e.g. ``plan_memory(model, Plan(8, 1, 1, zero=1, b=4, M=2,
-    recompute=False))``."""
-    N_d, t, K, zero, b, M, recompute = _layout(model, plan)
-    states = model_state_bytes(model.psi / (t * K), zero, N_d, *precision)
-    layer = transformer_activation_bytes(model.s, b, model.h, model.a, 1, "full" if recompute else None, t,
-                                         sequence_parallel)
-    activations = layer * (model.L // K) * min(K, M)
-    if recompute:
-        activations += transformer_activation_bytes(model.s, b, model.h, model.a, 1, None, t, sequence_parallel)
-    return Memory(states, activations)
-
-
-def plan_time(model, batch, cluster, plan, precision=MIXED_ADAM, efficiency=0.5, sequence_parallel=True,
-              activation_bytes=ACTIVATION_BYTES, overlapped=STAGES):
-    """``StepTime`` of one step of ``plan`` (a ``Plan``; its estimates are not read), by the
-    module docstring's formula. ``activation_bytes``: bytes of one activation value in the
-    tensor and pipeline messages (2: 16-bit). ``overlapped``: the ZeRO stages whose data-axis
-    communication runs behind backward (module docstring, "Overlap"); an engine that
-    communicates after backward, on the critical path, is costed with ``overlapped=()``."""
-    N_d, t, K, zero, b, M, recompute = _layout(model, plan)
-    N, s, h = cluster.gpus, model.s, model.h
-    compute = (8 if recompute else 6) * model.psi * batch.B * s / (N * cluster.peak_flops * efficiency)
-    tensor = 0.0
-    if t > 1:
-        link = cluster.intra if cluster.within_node(t) else cluster.inter
-        all_reduces = (6 if recompute else 4) * (model.L // K) * M
-        tensor = all_reduces * cost_model("ring", b * s * h * activation_bytes, t, link.latency, 1 / link.bandwidth)
-    pipeline = 0.0
-    if K > 1:
-        link = cluster.intra if cluster.within_node(N) else cluster.inter
-        pipeline = 2 * M * link.time(b * s * h * activation_bytes / (t if sequence_parallel else 1))
-    busy = compute + tensor + pipeline
-    idle = bubble_formula(K, M)
-    return StepTime(compute, tensor, pipeline, busy * idle / (1 - idle), _exposed_data_seconds(
-        model, cluster, precision, N_d, t, K, zero, M, compute, recompute, zero in overlapped))
-
-
-def _exposed_data_seconds(model, cluster, precision, N_d, t, K, zero, M, compute, recompute, overlaps):
-    if N_d == 1:
-        return 0.0
-    link = cluster.intra if cluster.within_node(t * N_d) else cluster.inter
-    padded = math.ceil(model.psi / (t * K) / N_d) * N_d  # a flat buffer cut into N_d equal shards
-    one_micro_batch = ring_communication_seconds([padded], N_d, precision.grad_bytes, zero, link.latency,
-                                                 link.bandwidth)
-    seconds = one_micro_batch * {0: 1, 1: 1, 2: (M + 1) / 2, 3: M}[zero]
-    backward = compute * (6 / 8 if recompute else 4 / 6)  # backward's share, its re-forward included
-    if not overlaps:
-        return seconds
-    hidden_behind = {0: backward / M, 1: backward / M, 2: backward, 3: compute}[zero]
-    return max(0.0, seconds - hidden_behind)
-
-
 def _assess(model, batch, cluster, precision, efficiency, sequence_parallel, max_bubble, tensor_across_nodes,
-            reserve, N_d, t, K, zero, b, recompute):
+            reserve, N_d, t, K, zero, b, recompute, offload):
     """The ``Plan`` with its estimates and the sentences that reject it."""
     built = [reason for failed, reason in (
         (model.a % t, f"t = {t} does not divide the a = {model.a} heads: each rank takes a / t whole heads."),
@@ -233,8 +115,8 @@ def _assess(model, batch, cluster, precision, efficiency, sequence_parallel, max
     if not built and M < K:
         built.append(f"1F1B needs M >= K: M = {M} micro-batches cannot fill K = {K} stages; lower b or N_d.")
     if built:
-        return Plan(N_d, t, K, zero, b, M, recompute, reasons=tuple(built))
-    layout = Plan(N_d, t, K, zero, b, M, recompute)
+        return Plan(N_d, t, K, zero, b, M, recompute, reasons=tuple(built), offload=offload)
+    layout = Plan(N_d, t, K, zero, b, M, recompute, offload=offload)
     memory = plan_memory(model, layout, precision, sequence_parallel)
     time = plan_time(model, batch, cluster, layout, precision, efficiency, sequence_parallel)
     reasons = []
@@ -245,18 +127,12 @@ def _assess(model, batch, cluster, precision, efficiency, sequence_parallel, max
     if memory.total > usable:
         kept = f" ({reserve:.0%} of {cluster.memory / GIB:.1f} GiB kept free)" if reserve else ""
         reasons.append(f"does not fit: needs {memory.total / GIB:.1f} GiB of {usable / GIB:.1f} GiB{kept}.")
+    if memory.host is not None and memory.host.total * cluster.gpus_per_node > cluster.host_memory:
+        reasons.append(f"the host states do not fit: {cluster.gpus_per_node} GPUs x "
+                       f"{memory.host.total / GIB:.1f} GiB on a node of {cluster.host_memory / GIB:.0f} GiB.")
     if bubble_formula(K, M) > max_bubble:
         reasons.append(f"bubble {bubble_formula(K, M):.0%} above {max_bubble:.0%}: raise M (a smaller b) or lower K.")
-    return Plan(N_d, t, K, zero, b, M, recompute, memory, time, tuple(reasons))
-
-
-def _layout(model, plan):
-    if model.L % plan.K:
-        raise ValueError(f"K = {plan.K} does not divide the L = {model.L} layers into equal stages: "
-                         "pick a divisor of L.")
-    if plan.M is None:
-        raise ValueError("the plan has no M (it cannot be built): give M = B / (N_d b) micro-batches.")
-    return plan.N_d, plan.t, plan.K, plan.zero, plan.b, plan.M, plan.recompute
+    return Plan(N_d, t, K, zero, b, M, recompute, memory, time, tuple(reasons), offload)
 
 
 def _divisors(n):

@@ -8,15 +8,15 @@ as text, so a notebook, a test or a terminal reads them without pandas.
 from parlab._checks import whole_number
 from parlab.plan.inputs import GIB
 
-COLUMNS = ("N_d", "t", "K", "ZeRO", "b", "M", "recompute", "GiB", "step (s)", "compute", "tensor", "pipeline",
-           "bubble", "data", "verdict")
+COLUMNS = ("N_d", "t", "K", "ZeRO", "b", "M", "recompute", "offload", "GiB", "step (s)", "compute", "tensor",
+           "pipeline", "bubble", "data", "host", "verdict")
 
 
 def plan_table(every, n=10, rejected=0):
     """Rows for the first ``n`` accepted plans of ``every`` (as ``plans`` ranks them) and the
     first ``rejected`` rejected ones: the plan's degrees, its memory per GPU in GiB, its step
-    time and each term of it in seconds (None where the plan cannot be built), and its verdict:
-    "accepted" or its reasons."""
+    time and each term of it in seconds ("host": offload's), None where the plan cannot be
+    built, and its verdict: "accepted" or its reasons."""
     whole_number("n", n, "give how many accepted plans to show, e.g. n=10.", minimum=0)
     whole_number("rejected", rejected, "give how many rejected plans to show, e.g. rejected=3.", minimum=0)
     shown = [p for p in every if not p.rejected][:n] + [p for p in every if p.rejected][:rejected]
@@ -34,11 +34,12 @@ def format_table(rows):
 
 def _row(plan):
     row = {"N_d": plan.N_d, "t": plan.t, "K": plan.K, "ZeRO": plan.zero, "b": plan.b, "M": plan.M,
-           "recompute": "on" if plan.recompute else "off",
+           "recompute": "on" if plan.recompute else "off", "offload": "on" if plan.offload else "off",
            "GiB": None if plan.memory is None else plan.memory.total / GIB,
            "step (s)": None if plan.time is None else plan.time.total}
     for term in ("compute", "tensor", "pipeline", "bubble", "data"):
         row[term] = None if plan.time is None else getattr(plan.time, term)
+    row["host"] = None if plan.time is None else plan.time.offload
     row["verdict"] = " ".join(plan.reasons) or "accepted"
     return row
 

@@ -1,0 +1,188 @@
+"""What a plan costs: its memory per GPU (``plan_memory``) and its step time (``plan_time``),
+each term from the lecture that owns its formula (symbols: the glossary's; a plan's degrees
+N_d x t x K, ZeRO stage, micro-batch b, M micro-batches per replica, recompute, offload).
+
+Memory per GPU (``plan_memory``), each term from the lecture that owns it:
+
+    model states   parlab.memory.model_state_bytes(Psi / (t K), zero, N_d, kappa, ...)   lecture 04
+                   with offload (ZeRO-Offload, stages 1 and 2): the device part of
+                   parlab.zero.formulas.offload_state_bytes (parameters, stage 1's
+                   gradients); the host keeps the shard's master copy, gradient and
+                   optimizer state (``Memory.host``), and a node's host memory holds its GPUs'
+    activations    korthikanti_bytes(s, b, h, a, t, sequence_parallel, recompute)        lecture 07
+                   x L / K layers x min(K, M) micro-batches in flight                      lecture 03
+                   (1F1B's first stage holds K; with recompute, plus one layer's full
+                   activations while it is recomputed)
+
+Step time (``plan_time``), in seconds:
+
+    compute   6 Psi B s FLOPs (8 Psi B s with recompute: a second forward) / (N peak efficiency)
+    tensor    (4 + 2 recompute) L / K M ring all-reduces of b s h 16-bit values on t ranks:
+              2 in forward, 2 in backward per layer (Megatron's f and g), 2 more when the
+              forward is recomputed; with sequence parallelism the all-gather and
+              reduce-scatter that replace each all-reduce move the same bytes
+    pipeline  2 M messages of b s h / t 16-bit values (b s h without sequence parallelism)
+              per stage: an activation forward and its gradient back, one Link.time each
+    bubble    (compute + tensor + pipeline) x f / (1 - f), f = bubble_formula(K, M) of
+              lecture 03: the busy time stretched by the idle share of 1F1B
+    data      ring_communication_seconds of Psi / (t K) gradients on N_d ranks (lecture 04),
+              per step for stages 0 and 1; stage 2 reduce-scatters every micro-batch's
+              gradients (M + 1 collectives, not 2), stage 3 also gathers the parameters for
+              every micro-batch's forward and backward (3 M, not 3): the ZeRO paper's counts
+              are for one micro-batch per step
+    offload   with offload: the gradient shard to the host and the parameter shard back
+              over ``cluster.host`` (parlab.zero.formulas.offload_bytes_per_step, each one
+              Link.time), and the host's optimizer step over the shard's Psi / (t K N_d)
+              parameters at ``cluster.host_update_rate``; not overlapped (ZeRO-Offload can
+              hide part of it behind backward: an upper bound)
+
+Overlap assumed for the data axis: its collectives run behind backward where the technique
+starts them during backward. Stages 0 and 1 (bucketed all-reduce) hide behind the last
+micro-batch's backward; stage 2 behind every micro-batch's backward (each reduce-scatters
+its own); stage 3 behind all compute (prefetched gathers). Only what sticks out is added.
+Tensor and pipeline messages sit on the critical path and are never hidden.
+
+Offload: ZeRO-Offload as ``parlab.zero.ZeroDP(..., offload=True)`` runs it, in the plan's
+precision: the host's shard holds kappa Psi / (t K N_d) bytes of optimizer state (the fp32
+master copy among them with mixed precision) and the shard's parameters and gradient.
+
+Left out: the embedding and output layers' activations and their uneven stages (Psi is split
+evenly over K stages), the logits, stage 3's gathered layer, buffers and fragmentation,
+stage 3's offload (ZeRO-Infinity), interleaved schedules; activations are the paper's 16-bit values and 1-byte masks
+whatever ``precision`` says of the model states.
+"""
+
+import math
+from typing import NamedTuple
+
+from parlab.alpha_beta import cost_model
+from parlab.memory import (
+    MIXED_ADAM,
+    STAGES,
+    ModelState,
+    model_state_bytes,
+    ring_communication_seconds,
+    transformer_activation_bytes,
+)
+from parlab.pipeline import bubble_formula
+from parlab.zero.formulas import offload_bytes_per_step, offload_state_bytes
+
+ACTIVATION_BYTES = 2  # 16-bit activations, as Korthikanti et al. count them
+
+
+class Memory(NamedTuple):
+    """Bytes one GPU holds: its model states (a ``parlab.memory.ModelState``) and activations;
+    with offload, ``host`` is the ``ModelState`` its share of the host memory holds (else None)."""
+
+    states: ModelState
+    activations: float
+    host: ModelState | None = None
+
+    @property
+    def total(self):
+        return self.states.total + self.activations
+
+
+class StepTime(NamedTuple):
+    """Seconds of one optimizer step, by where they go (the module docstring's terms); ``data``
+    is the data axis's time not hidden behind backward, ``offload`` the host's part."""
+
+    compute: float
+    tensor: float
+    pipeline: float
+    bubble: float
+    data: float
+    offload: float = 0.0
+
+    @property
+    def total(self):
+        return sum(self)
+
+
+def plan_memory(model, plan, precision=MIXED_ADAM, sequence_parallel=True):
+    """``Memory`` of one GPU of ``plan`` (a ``Plan``; its estimates are not read), by the
+    module docstring's formula, e.g. ``plan_memory(model, Plan(8, 1, 1, zero=1, b=4, M=2,
+    recompute=False))``."""
+    N_d, t, K, zero, b, M, recompute = _layout(model, plan)
+    host = None
+    if plan.offload:
+        states, host = offload_state_bytes(_padded(model.psi / (t * K), N_d), N_d, zero, precision.kappa,
+                                           _offload_element_bytes(precision))
+    else:
+        states = model_state_bytes(model.psi / (t * K), zero, N_d, *precision)
+    layer = transformer_activation_bytes(model.s, b, model.h, model.a, 1, "full" if recompute else None, t,
+                                         sequence_parallel)
+    activations = layer * (model.L // K) * min(K, M)
+    if recompute:
+        activations += transformer_activation_bytes(model.s, b, model.h, model.a, 1, None, t, sequence_parallel)
+    return Memory(states, activations, host)
+
+
+def plan_time(model, batch, cluster, plan, precision=MIXED_ADAM, efficiency=0.5, sequence_parallel=True,
+              activation_bytes=ACTIVATION_BYTES, overlapped=STAGES):
+    """``StepTime`` of one step of ``plan`` (a ``Plan``; its estimates are not read), by the
+    module docstring's formula. ``activation_bytes``: bytes of one activation value in the
+    tensor and pipeline messages (2: 16-bit). ``overlapped``: the ZeRO stages whose data-axis
+    communication runs behind backward (module docstring, "Overlap"); an engine that
+    communicates after backward, on the critical path, is costed with ``overlapped=()``."""
+    N_d, t, K, zero, b, M, recompute = _layout(model, plan)
+    N, s, h = cluster.gpus, model.s, model.h
+    compute = (8 if recompute else 6) * model.psi * batch.B * s / (N * cluster.peak_flops * efficiency)
+    tensor = 0.0
+    if t > 1:
+        link = cluster.intra if cluster.within_node(t) else cluster.inter
+        all_reduces = (6 if recompute else 4) * (model.L // K) * M
+        tensor = all_reduces * cost_model("ring", b * s * h * activation_bytes, t, link.latency, 1 / link.bandwidth)
+    pipeline = 0.0
+    if K > 1:
+        link = cluster.intra if cluster.within_node(N) else cluster.inter
+        pipeline = 2 * M * link.time(b * s * h * activation_bytes / (t if sequence_parallel else 1))
+    busy = compute + tensor + pipeline
+    idle = bubble_formula(K, M)
+    data = _exposed_data_seconds(model, cluster, precision, N_d, t, K, zero, M, compute, recompute,
+                                 zero in overlapped)
+    return StepTime(compute, tensor, pipeline, busy * idle / (1 - idle), data,
+                    _offload_seconds(model, cluster, precision, plan) if plan.offload else 0.0)
+
+
+def _exposed_data_seconds(model, cluster, precision, N_d, t, K, zero, M, compute, recompute, overlaps):
+    if N_d == 1:
+        return 0.0
+    link = cluster.intra if cluster.within_node(t * N_d) else cluster.inter
+    padded = _padded(model.psi / (t * K), N_d)
+    one_micro_batch = ring_communication_seconds([padded], N_d, precision.grad_bytes, zero, link.latency,
+                                                 link.bandwidth)
+    seconds = one_micro_batch * {0: 1, 1: 1, 2: (M + 1) / 2, 3: M}[zero]
+    backward = compute * (6 / 8 if recompute else 4 / 6)  # backward's share, its re-forward included
+    if not overlaps:
+        return seconds
+    hidden_behind = {0: backward / M, 1: backward / M, 2: backward, 3: compute}[zero]
+    return max(0.0, seconds - hidden_behind)
+
+
+def _offload_seconds(model, cluster, precision, plan):
+    shard = _padded(model.psi / (plan.t * plan.K), plan.N_d) // plan.N_d
+    moved = offload_bytes_per_step(shard * plan.N_d, plan.N_d, _offload_element_bytes(precision))
+    return sum(cluster.host.time(nbytes) for nbytes in moved.values()) + shard / cluster.host_update_rate
+
+
+def _padded(numel, N_d):
+    """A flat buffer of ``numel`` elements padded to N_d equal shards."""
+    return math.ceil(numel / N_d) * N_d
+
+
+def _offload_element_bytes(precision):
+    if precision.param_bytes != precision.grad_bytes:
+        raise ValueError(f"offload moves parameters and gradients of one element size; {precision} has "
+                         f"{precision.param_bytes}-byte parameters and {precision.grad_bytes}-byte gradients: "
+                         "use a precision with equal sizes (MIXED_ADAM, FP32_ADAM).")
+    return precision.param_bytes
+
+
+def _layout(model, plan):
+    if model.L % plan.K:
+        raise ValueError(f"K = {plan.K} does not divide the L = {model.L} layers into equal stages: "
+                         "pick a divisor of L.")
+    if plan.M is None:
+        raise ValueError("the plan has no M (it cannot be built): give M = B / (N_d b) micro-batches.")
+    return plan.N_d, plan.t, plan.K, plan.zero, plan.b, plan.M, plan.recompute
