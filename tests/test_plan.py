@@ -19,9 +19,9 @@ SEVEN_B, SEVENTY_B = Model.llama2_7b(), Model.llama2_70b()
 NODE, FOUR_NODES, SIXTY_FOUR_NODES = (Cluster.dgx_a100(nodes) for nodes in (1, 4, 64))
 
 
-def find(every, offload=False, **layout):
-    [plan] = [p for p in every if p.offload == offload and all(getattr(p, name) == value
-                                                               for name, value in layout.items())]
+def find(every, offload=False, shard_group=None, **layout):
+    [plan] = [p for p in every if (p.offload, p.shard_group) == (offload, shard_group)
+              and all(getattr(p, name) == value for name, value in layout.items())]
     return plan
 
 
@@ -30,7 +30,7 @@ def find(every, offload=False, **layout):
 
 def test_memory_of_every_accepted_plan_is_the_zero_table_plus_korthikanti_times_in_flight():
     every = plans(SEVEN_B, Batch(512), FOUR_NODES, precision=FP32_ADAM)
-    accepted = [p for p in every if not p.rejected and not p.offload]
+    accepted = [p for p in every if not p.rejected and not p.offload and not p.shard_group]
     assert len(accepted) > 50
     for p in accepted:
         assert p.memory.states == model_state_bytes(SEVEN_B.psi / (p.t * p.K), p.zero, p.N_d, *FP32_ADAM)
@@ -127,9 +127,9 @@ def test_grids_are_every_ordered_factorisation(N, count):
 
 
 def test_every_plan_is_enumerated_once():
-    every = plans(SEVEN_B, Batch(512, b=(1, 2, 4)), FOUR_NODES)
+    every = plans(SEVEN_B, Batch(512, b=(1, 2, 4)), FOUR_NODES, hybrid=False)
     assert len(every) == 21 * (1 + 2 + 2 + 1) * 3 * 2  # stages 1 and 2 with and without offload
-    keys = {(p.N_d, p.t, p.K, p.zero, p.b, p.recompute, p.offload) for p in every}
+    keys = {(p.N_d, p.t, p.K, p.zero, p.b, p.recompute, p.offload, p.shard_group) for p in every}
     assert len(keys) == len(every)
     assert len(plans(SEVEN_B, Batch(512, b=2), NODE, zero_stages=(0, 1))) == 10 * (1 + 2) * 1 * 2
     assert len(plans(SEVEN_B, Batch(512, b=2), NODE, zero_stages=(0, 1), offload=(False,))) == 10 * 2 * 1 * 2
@@ -190,7 +190,7 @@ def test_the_reserve_rejects_a_plan_that_fits_only_in_the_last_tenth_of_memory()
     reserved = plans(SEVENTY_B, Batch(1536), Cluster.dgx_a100(nodes=64))
     for plan in tight:
         again = find(reserved, N_d=plan.N_d, t=plan.t, K=plan.K, zero=plan.zero, b=plan.b, recompute=plan.recompute,
-                     offload=plan.offload)
+                     offload=plan.offload, shard_group=plan.shard_group)
         assert again.reasons == (f"does not fit: needs {plan.memory.total / GIB:.1f} GiB of 72.0 GiB "
                                  "(10% of 80.0 GiB kept free).",)
     assert all(p.memory.total <= 72 * GIB for p in reserved if not p.rejected)
@@ -309,3 +309,31 @@ def test_70b_on_4_nodes_offloads_rather_than_recompute_and_1_node_s_host_memory_
     assert hosted.memory.total < 72 * GIB  # it would fit on the GPUs ...
     assert hosted.reasons == (f"the host states do not fit: 8 GPUs x {hosted.memory.host.total / GIB:.1f} GiB on a "
                               "node of 1024 GiB.",)  # ... but 16 bytes x 70B do not fit in a node's 1 TiB
+
+
+# --- HYBRID_SHARD ---------------------------------------------------------------------------
+
+
+def test_hybrid_shard_is_tried_where_stage_3_s_data_group_spans_nodes_sharded_within_a_node():
+    every = plans(SEVEN_B, Batch(512, b=(1,)), FOUR_NODES)
+    hybrid = {(p.N_d, p.t, p.K, p.shard_group) for p in every if p.shard_group}
+    expected = {(N_d, t, K, 8 // t) for N_d, t, K in grids(32)
+                if 8 % t == 0 and t * N_d > 8 and 8 // t > 1 and N_d % (8 // t) == 0}
+    assert hybrid == expected and (16, 2, 1, 4) in hybrid
+    assert all(p.zero == 3 for p in every if p.shard_group)
+    assert not any(p.shard_group for p in plans(SEVEN_B, Batch(512, b=(1,)), NODE))  # one node: nothing to span
+
+
+def test_hybrid_shard_holds_stage_3_of_its_group_and_pays_its_collectives_inside_the_node():
+    plan = find(plans(SEVEN_B, Batch(512), FOUR_NODES), shard_group=4, N_d=16, t=2, K=1, zero=3, b=1,
+                recompute=False)
+    assert plan.memory.states == model_state_bytes(SEVEN_B.psi / 2, 3, 4, *MIXED_ADAM)
+    padded = -(-SEVEN_B.psi // 2 // 4) * 4
+    inside = ring_communication_seconds([padded], 4, 2, 3, FOUR_NODES.intra.latency, FOUR_NODES.intra.bandwidth)
+    across = ring_communication_seconds([-(-padded // 4 // 4) * 4], 4, 2, 0, FOUR_NODES.inter.latency,
+                                        FOUR_NODES.inter.bandwidth)
+    exposed = plan_time(SEVEN_B, Batch(512), FOUR_NODES, plan, overlapped=()).data
+    assert exposed == pytest.approx(plan.M * (inside + across))
+    everywhere = find(plans(SEVEN_B, Batch(512), FOUR_NODES), N_d=16, t=2, K=1, zero=3, b=1, recompute=False)
+    assert plan.memory.states.total > everywhere.memory.states.total  # sharded 4 ways, not 16
+    assert exposed < plan_time(SEVEN_B, Batch(512), FOUR_NODES, everywhere, overlapped=()).data  # NVLink does most

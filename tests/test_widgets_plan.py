@@ -59,7 +59,7 @@ def test_the_table_rows_are_the_plans(every):
 def test_an_unbuildable_plan_has_dashes_for_its_numbers():
     every = plans(Model.small_gpt(), Batch(64, b=3), Cluster.dgx_a100(1))
     [line] = format_table(plan_table(every, n=0, rejected=1)).splitlines()[1:]
-    assert "does not split" in line and line.split().count("-") == 9  # M, GiB, the step and its six terms
+    assert "does not split" in line and line.split().count("-") == 10  # S, M, GiB, the step and its six terms
 
 
 def test_the_default_micro_batches_stay_within_the_batch():

@@ -5,6 +5,7 @@ N_d x t x K, ZeRO stage, micro-batch b, M micro-batches per replica, recompute, 
 Memory per GPU (``plan_memory``), each term from the lecture that owns it:
 
     model states   parlab.memory.model_state_bytes(Psi / (t K), zero, N_d, kappa, ...)   lecture 04
+                   (N_d -> S for HYBRID_SHARD, stage 3 sharded within a node's group of S)
                    with offload (ZeRO-Offload, stages 1 and 2): the device part of
                    parlab.zero.formulas.offload_state_bytes (parameters, stage 1's
                    gradients); the host keeps the shard's master copy, gradient and
@@ -29,7 +30,10 @@ Step time (``plan_time``), in seconds:
               per step for stages 0 and 1; stage 2 reduce-scatters every micro-batch's
               gradients (M + 1 collectives, not 2), stage 3 also gathers the parameters for
               every micro-batch's forward and backward (3 M, not 3): the ZeRO paper's counts
-              are for one micro-batch per step
+              are for one micro-batch per step; HYBRID_SHARD (stage 3 in a group of S ranks
+              of a node, ``Plan.shard_group``): per micro-batch stage 3's three collectives
+              on S ranks over ``intra`` and the gradient shard's all-reduce over the N_d / S
+              groups over ``inter``
     offload   with offload: the gradient shard to the host and the parameter shard back
               over ``cluster.host`` (parlab.zero.formulas.offload_bytes_per_step, each one
               Link.time), and the host's optimizer step over the shard's Psi / (t K N_d)
@@ -108,8 +112,8 @@ def plan_memory(model, plan, precision=MIXED_ADAM, sequence_parallel=True):
     if plan.offload:
         states, host = offload_state_bytes(_padded(model.psi / (t * K), N_d), N_d, zero, precision.kappa,
                                            _offload_element_bytes(precision))
-    else:
-        states = model_state_bytes(model.psi / (t * K), zero, N_d, *precision)
+    else:  # HYBRID_SHARD shards over its group of S, replicated N_d / S times
+        states = model_state_bytes(model.psi / (t * K), zero, plan.shard_group or N_d, *precision)
     layer = transformer_activation_bytes(model.s, b, model.h, model.a, 1, "full" if recompute else None, t,
                                          sequence_parallel)
     activations = layer * (model.L // K) * min(K, M)
@@ -139,25 +143,40 @@ def plan_time(model, batch, cluster, plan, precision=MIXED_ADAM, efficiency=0.5,
         pipeline = 2 * M * link.time(b * s * h * activation_bytes / (t if sequence_parallel else 1))
     busy = compute + tensor + pipeline
     idle = bubble_formula(K, M)
-    data = _exposed_data_seconds(model, cluster, precision, N_d, t, K, zero, M, compute, recompute,
-                                 zero in overlapped)
+    data = _exposed_data_seconds(model, cluster, precision, plan, compute, zero in overlapped)
     return StepTime(compute, tensor, pipeline, busy * idle / (1 - idle), data,
                     _offload_seconds(model, cluster, precision, plan) if plan.offload else 0.0)
 
 
-def _exposed_data_seconds(model, cluster, precision, N_d, t, K, zero, M, compute, recompute, overlaps):
+def _exposed_data_seconds(model, cluster, precision, plan, compute, overlaps):
+    N_d, t, K, zero, M, recompute = plan.N_d, plan.t, plan.K, plan.zero, plan.M, plan.recompute
     if N_d == 1:
         return 0.0
-    link = cluster.intra if cluster.within_node(t * N_d) else cluster.inter
-    padded = _padded(model.psi / (t * K), N_d)
-    one_micro_batch = ring_communication_seconds([padded], N_d, precision.grad_bytes, zero, link.latency,
-                                                 link.bandwidth)
-    seconds = one_micro_batch * {0: 1, 1: 1, 2: (M + 1) / 2, 3: M}[zero]
+    if plan.shard_group:
+        seconds = M * _hybrid_micro_batch_seconds(model.psi / (t * K), N_d, plan.shard_group, precision, cluster)
+    else:
+        link = cluster.intra if cluster.within_node(t * N_d) else cluster.inter
+        padded = _padded(model.psi / (t * K), N_d)
+        one_micro_batch = ring_communication_seconds([padded], N_d, precision.grad_bytes, zero, link.latency,
+                                                     link.bandwidth)
+        seconds = one_micro_batch * {0: 1, 1: 1, 2: (M + 1) / 2, 3: M}[zero]
     backward = compute * (6 / 8 if recompute else 4 / 6)  # backward's share, its re-forward included
     if not overlaps:
         return seconds
     hidden_behind = {0: backward / M, 1: backward / M, 2: backward, 3: compute}[zero]
     return max(0.0, seconds - hidden_behind)
+
+
+def _hybrid_micro_batch_seconds(psi, N_d, S, precision, cluster):
+    """HYBRID_SHARD, one micro-batch: stage 3's three collectives in the node's group of S,
+    then the gradient shard all-reduced over the N_d / S groups across nodes."""
+    padded = _padded(psi, S)
+    inside = ring_communication_seconds([padded], S, precision.grad_bytes, 3, cluster.intra.latency,
+                                        cluster.intra.bandwidth)
+    replicas = N_d // S
+    across = ring_communication_seconds([_padded(padded // S, replicas)], replicas, precision.grad_bytes, 0,
+                                        cluster.inter.latency, cluster.inter.bandwidth) if replicas > 1 else 0.0
+    return inside + across
 
 
 def _offload_seconds(model, cluster, precision, plan):

@@ -37,7 +37,9 @@ class Plan:
     """One placement: degrees ``N_d``, ``t``, ``K``, ZeRO stage ``zero``, micro-batch ``b`` and
     ``M`` micro-batches per replica, ``recompute`` on or off; its ``memory`` and ``time`` (None
     when the plan cannot be built), the ``reasons`` it is rejected, as sentences, and
-    ``offload`` (ZeRO-Offload of the optimizer's shard to the host, stages 1 and 2)."""
+    ``offload`` (ZeRO-Offload of the optimizer's shard to the host, stages 1 and 2) and
+    ``shard_group`` (S: stage 3 as FSDP's HYBRID_SHARD, sharded within the data ranks of a
+    node and replicated across nodes; None: sharded over all N_d)."""
 
     N_d: int
     t: int
@@ -50,6 +52,7 @@ class Plan:
     time: StepTime | None = None
     reasons: tuple = ()
     offload: bool = False
+    shard_group: int | None = None
 
     @property
     def rejected(self):
@@ -57,7 +60,8 @@ class Plan:
 
     def __str__(self):
         layout = (f"N_d={self.N_d} t={self.t} K={self.K} ZeRO-{self.zero} b={self.b} M={self.M} "
-                  f"recompute {'on' if self.recompute else 'off'}" + (" offload" if self.offload else ""))
+                  f"recompute {'on' if self.recompute else 'off'}" + (" offload" if self.offload else "")
+                  + (f" HYBRID_SHARD S={self.shard_group}" if self.shard_group else ""))
         if self.memory is None:
             return f"{layout}: {' '.join(self.reasons)}"
         estimate = f"{self.memory.total / GIB:.1f} GiB, {self.time.total:.3g} s"
@@ -65,9 +69,10 @@ class Plan:
 
 
 def plans(model, batch, cluster, precision=MIXED_ADAM, efficiency=0.5, sequence_parallel=True, max_bubble=0.5,
-          tensor_across_nodes=False, zero_stages=STAGES, reserve=RESERVE, offload=(False, True)):
+          tensor_across_nodes=False, zero_stages=STAGES, reserve=RESERVE, offload=(False, True), hybrid=True):
     """Every plan over N_d x t x K = N, each ZeRO stage of ``zero_stages``, each micro-batch
-    size of ``batch``, recompute off/on and (at stages 1 and 2) each of ``offload``: the
+    size of ``batch``, recompute off/on, (at stages 1 and 2) each of ``offload`` and (at stage
+    3, with ``hybrid``, where the data group spans nodes) HYBRID_SHARD within a node: the
     accepted ones first, fastest first (then least memory), then the rejected ones in the
     order they were enumerated. A plan is rejected when it cannot be built (t does not divide
     a, K does not divide L, B does not split, M < K), when its tensor group spans nodes
@@ -85,10 +90,11 @@ def plans(model, batch, cluster, precision=MIXED_ADAM, efficiency=0.5, sequence_
     for stage in zero_stages:
         check_stage(stage)
     every = [_assess(model, batch, cluster, precision, efficiency, sequence_parallel, max_bubble, tensor_across_nodes,
-                     reserve, N_d, t, K, zero, b, recompute, host)
+                     reserve, N_d, t, K, zero, b, recompute, host, S)
              for N_d, t, K in grids(cluster.gpus) for zero in zero_stages
              for b in batch.micro_batch_sizes for recompute in (False, True)
-             for host in (offload if zero in (1, 2) else (False,))]
+             for host in (offload if zero in (1, 2) else (False,))
+             for S in (None, *_hybrid_groups(cluster, N_d, t, zero, hybrid))]
     accepted = sorted((p for p in every if not p.rejected), key=lambda p: (p.time.total, p.memory.total))
     return accepted + [p for p in every if p.rejected]
 
@@ -104,7 +110,7 @@ def grids(N):
 
 
 def _assess(model, batch, cluster, precision, efficiency, sequence_parallel, max_bubble, tensor_across_nodes,
-            reserve, N_d, t, K, zero, b, recompute, offload):
+            reserve, N_d, t, K, zero, b, recompute, offload, shard_group):
     """The ``Plan`` with its estimates and the sentences that reject it."""
     built = [reason for failed, reason in (
         (model.a % t, f"t = {t} does not divide the a = {model.a} heads: each rank takes a / t whole heads."),
@@ -115,8 +121,8 @@ def _assess(model, batch, cluster, precision, efficiency, sequence_parallel, max
     if not built and M < K:
         built.append(f"1F1B needs M >= K: M = {M} micro-batches cannot fill K = {K} stages; lower b or N_d.")
     if built:
-        return Plan(N_d, t, K, zero, b, M, recompute, reasons=tuple(built), offload=offload)
-    layout = Plan(N_d, t, K, zero, b, M, recompute, offload=offload)
+        return Plan(N_d, t, K, zero, b, M, recompute, reasons=tuple(built), offload=offload, shard_group=shard_group)
+    layout = Plan(N_d, t, K, zero, b, M, recompute, offload=offload, shard_group=shard_group)
     memory = plan_memory(model, layout, precision, sequence_parallel)
     time = plan_time(model, batch, cluster, layout, precision, efficiency, sequence_parallel)
     reasons = []
@@ -132,7 +138,15 @@ def _assess(model, batch, cluster, precision, efficiency, sequence_parallel, max
                        f"{memory.host.total / GIB:.1f} GiB on a node of {cluster.host_memory / GIB:.0f} GiB.")
     if bubble_formula(K, M) > max_bubble:
         reasons.append(f"bubble {bubble_formula(K, M):.0%} above {max_bubble:.0%}: raise M (a smaller b) or lower K.")
-    return Plan(N_d, t, K, zero, b, M, recompute, memory, time, tuple(reasons), offload)
+    return Plan(N_d, t, K, zero, b, M, recompute, memory, time, tuple(reasons), offload, shard_group)
+
+
+def _hybrid_groups(cluster, N_d, t, zero, hybrid):
+    """HYBRID_SHARD's S for this data axis: the data ranks of one node (t consecutive ranks per
+    replica, so gpus_per_node / t of them), where stage 3's data group spans nodes and S > 1."""
+    S = cluster.gpus_per_node // t if cluster.within_node(t) else 1
+    spans_nodes = not cluster.within_node(t * N_d)
+    return (S,) if hybrid and zero == 3 and spans_nodes and S > 1 and N_d % S == 0 else ()
 
 
 def _divisors(n):

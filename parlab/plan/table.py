@@ -8,7 +8,7 @@ as text, so a notebook, a test or a terminal reads them without pandas.
 from parlab._checks import whole_number
 from parlab.plan.inputs import GIB
 
-COLUMNS = ("N_d", "t", "K", "ZeRO", "b", "M", "recompute", "offload", "GiB", "step (s)", "compute", "tensor",
+COLUMNS = ("N_d", "t", "K", "ZeRO", "S", "b", "M", "recompute", "offload", "GiB", "step (s)", "compute", "tensor",
            "pipeline", "bubble", "data", "host", "verdict")
 
 
@@ -33,7 +33,8 @@ def format_table(rows):
 
 
 def _row(plan):
-    row = {"N_d": plan.N_d, "t": plan.t, "K": plan.K, "ZeRO": plan.zero, "b": plan.b, "M": plan.M,
+    row = {"N_d": plan.N_d, "t": plan.t, "K": plan.K, "ZeRO": plan.zero, "S": plan.shard_group, "b": plan.b,
+           "M": plan.M,
            "recompute": "on" if plan.recompute else "off", "offload": "on" if plan.offload else "off",
            "GiB": None if plan.memory is None else plan.memory.total / GIB,
            "step (s)": None if plan.time is None else plan.time.total}
