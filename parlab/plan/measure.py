@@ -149,7 +149,7 @@ def run_plan(plan, batch=BATCH, cluster=None, steps=3, runtime=None):
     if own:
         from parlab.runtime import Cluster as Ranks
 
-        runtime = Ranks(cluster.gpus)
+        runtime = Ranks(cluster.gpus, backend="gloo", device="cpu")  # emulated: CPU ranks even beside a GPU
     try:
         with runtime.emulate(link=cluster.intra):
             results = runtime.run(train_plan, layout, batch.B, forward_s, steps)
@@ -170,7 +170,7 @@ def check_plans(batch=BATCH, cluster=None, steps=3, runtime=None, layouts=LAYOUT
     if own:
         from parlab.runtime import Cluster as Ranks
 
-        runtime = Ranks((cluster or emulated_cluster()).gpus)
+        runtime = Ranks((cluster or emulated_cluster()).gpus, backend="gloo", device="cpu")
     try:
         with progress_bar(len(chosen), desc, unit="plan") as bar:
             measured = []
