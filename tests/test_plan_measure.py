@@ -121,6 +121,15 @@ def test_a_plan_it_cannot_build_is_refused_with_the_reason(layout, match):
         run_plan(plan)
 
 
+def test_bad_arguments_are_explained_before_any_rank_starts():
+    with pytest.raises(ValueError, match="must be a parlab.plan.Plan"):
+        run_plan((4, 1, 1, 0, 4, 1, False))
+    with pytest.raises(ValueError, match="steps"):
+        run_plan(measure.predicted_plans()[0], steps=0)
+    with pytest.raises(ValueError, match="is not a plan of 4 ranks"):
+        measure.check_plans(layouts=[(3, 1, 1, 0, 4, False)])
+
+
 def test_each_plan_carries_the_prediction_the_run_is_costed_by():
     for plan in measure.predicted_plans():
         memory, seconds = measure.predict(plan)

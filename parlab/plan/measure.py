@@ -37,6 +37,7 @@ import statistics
 from dataclasses import replace
 from typing import NamedTuple
 
+from parlab._checks import whole_number
 from parlab.memory import FP32_ADAM
 from parlab.plan.costs import Memory, StepTime, plan_memory, plan_time
 from parlab.plan.inputs import GIB, Batch, Cluster, Model
@@ -139,6 +140,10 @@ def run_plan(plan, batch=BATCH, cluster=None, steps=3, runtime=None):
     of the plan's ranks; one is started and closed if None) with the emulated link, and return
     its ``Measured``."""
     cluster = cluster or emulated_cluster()
+    if not isinstance(plan, Plan):
+        raise ValueError(f"plan must be a parlab.plan.Plan, got {type(plan).__name__}: take one of "
+                         "parlab.plan.measure.predicted_plans(), or build Plan(N_d, t, K, zero, b, M, recompute).")
+    whole_number("steps", steps, "give the number of timed steps after the warm-up, e.g. steps=2.")
     reason = runnable(plan)
     if reason:
         raise ValueError(f"cannot run {plan}: {reason}")
