@@ -34,6 +34,16 @@ def test_the_points_are_the_fastest_plans_time_and_memory(every):
     assert "5 fastest plans on 64 x 8 A100 80 GB" in ax.get_title()
 
 
+def test_each_point_names_its_plan_offload_and_shard_group_included():
+    four_nodes = Cluster.dgx_a100(4)
+    every = plans(SEVENTY_B, Batch(1024), four_nodes)
+    accepted = [p for p in every if not p.rejected][:8]
+    labels = [text.get_text() for text in plot_plans(every, four_nodes, n=8).texts]
+    assert labels[0] == f"{accepted[0].N_d}x8x2 Z2 off" and accepted[0].offload  # the 70B on 4 nodes offloads
+    hybrid = next(p for p in plans(Model.small_gpt(), Batch(512), four_nodes) if p.shard_group and not p.rejected)
+    assert f"Z3 S={hybrid.shard_group}" in plot_plans([hybrid], four_nodes).texts[0].get_text()
+
+
 def test_with_nothing_accepted_the_chart_says_why():
     every = plans(SEVENTY_B, Batch(1536), Cluster.dgx_a100(1))
     ax = plot_plans(every, Cluster.dgx_a100(1))

@@ -28,9 +28,10 @@ TOLERANCE = 0.15  # issue 16's criterion: a measured step within 15% of the pred
 
 def plot_plans(every, cluster, n=10, ax=None):
     """The ``n`` fastest accepted plans of ``every`` (``parlab.plan.plans``' list) as points:
-    step time (s) across, memory per GPU (GiB) up, each labelled N_d x t x K and its ZeRO
-    stage, the fastest as a star; a line at the GPU's memory. With no accepted plan, says
-    how many were rejected and the first reason. Returns the axes."""
+    step time (s) across, memory per GPU (GiB) up, each labelled N_d x t x K, its ZeRO stage
+    and its shard group, recompute and offload where it has them, the fastest as a star; a
+    line at the GPU's memory. With no accepted plan, says how many were rejected and the first
+    reason. Returns the axes."""
     import matplotlib.pyplot as plt
 
     ax = ax or plt.figure(figsize=FIGSIZE).subplots()
@@ -47,7 +48,8 @@ def plot_plans(every, cluster, n=10, ax=None):
                 transform=ax.transAxes, ha="center", va="center", fontsize=9)
     ax.margins(x=0.12)  # room for the labels of the slowest points
     ax.set(xlabel="step time (s)", ylabel="memory per GPU (GiB)", ylim=(0, None),
-           title=f"{len(accepted)} fastest plans on {cluster.name} (N_d x t x K, ZeRO stage; rc: recompute)")
+           title=f"{len(accepted)} fastest plans on {cluster.name}\n(N_d x t x K, ZeRO stage; S=: HYBRID_SHARD, "
+                 "rc: recompute, off: offload)")
     ax.legend(loc="lower right", fontsize=8)
     return ax
 
@@ -171,6 +173,9 @@ def format_measured(rows):
 
 
 def _label(plan, long=False):
-    """N_d x t x K and the ZeRO stage (rc: recompute); ``long`` adds b and M."""
+    """N_d x t x K and the ZeRO stage (S=: HYBRID_SHARD's shard group; rc: recompute; off:
+    offload); ``long`` adds b and M."""
+    shard = f" S={plan.shard_group}" if plan.shard_group else ""
     micro = f" b={plan.b} M={plan.M}" if long else ""
-    return f"{plan.N_d}x{plan.t}x{plan.K} Z{plan.zero}{micro}{' rc' if plan.recompute else ''}"
+    return (f"{plan.N_d}x{plan.t}x{plan.K} Z{plan.zero}{shard}{micro}{' rc' if plan.recompute else ''}"
+            f"{' off' if plan.offload else ''}")
