@@ -85,7 +85,11 @@ def test_the_widget_answers_its_controls():
     expected = plans(Model.small_gpt(), Batch(512), cluster_of(8, 1, 80, intra.value, inter.value))
     best = expected[0]
     assert table.value.splitlines()[1].split()[:3] == [str(best.N_d), str(best.t), str(best.K)]
-    assert status.value == f"{sum(not p.rejected for p in expected)} of {len(expected)} plans accepted."
+    assert status.value == (f"{sum(not p.rejected for p in expected)} of {len(expected)} plans accepted on 1 x 8 GPUs "
+                            "of 80 GiB, 300 GB/s inside a node, 25 GB/s between nodes.")
+    picture, text = image.value, table.value
+    inter.value = 50  # one node: no plan uses the network, but the line says the control moved
+    assert (image.value, table.value) == (picture, text) and status.value.endswith("50 GB/s between nodes.")
     picture = image.value
     chosen.value, batch.value = "70B", 1536
     assert image.value != picture and "does not fit" in table.value  # one node cannot hold the 70B

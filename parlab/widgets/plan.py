@@ -101,7 +101,9 @@ def plan_widget(model="70B", B=1536, nodes=64, memory_gib=80, n=8):
         every = plans(MODELS[chosen.value](), Batch(batch.value), cluster)
         image.value = png(lambda ax: plot_plans(every, cluster, n, ax), FIGSIZE)
         table.value = f"<pre>{format_table(plan_table(every, n, rejected=3 if every[0].rejected else 0))}</pre>"
-        feedback.say(f"{sum(not p.rejected for p in every)} of {len(every)} plans accepted.")
+        # The cluster in words: a control that changes no plan (the network of one node) still shows it moved.
+        feedback.say(f"{sum(not p.rejected for p in every)} of {len(every)} plans accepted on {cluster.name}, "
+                     f"{intra.value:.3g} GB/s inside a node, {inter.value:.3g} GB/s between nodes.")
 
     def offer(_=None):
         to_run.disabled = run.disabled = chosen.value != RUNS
