@@ -44,6 +44,17 @@ def test_each_point_names_its_plan_offload_and_shard_group_included():
     assert f"Z3 S={hybrid.shard_group}" in plot_plans([hybrid], four_nodes).texts[0].get_text()
 
 
+def test_a_small_model_is_drawn_in_mib_without_flattening_it_under_the_gpu_line():
+    node = Cluster.dgx_a100(1)
+    every = plans(Model.small_gpt(), Batch(512), node)
+    ax = plot_plans(every, node, n=4)
+    accepted = [p for p in every if not p.rejected][:4]
+    assert points(ax) == {f"plan-{i}": (p.time.total, p.memory.total / 2**20) for i, p in enumerate(accepted)}
+    assert ax.get_ylabel() == "memory per GPU (MiB)" and ax.get_ylim()[1] < 80 * 1024
+    [limit] = [line for line in ax.lines if line.get_gid() is None]
+    assert len(limit.get_xdata()) == 0 and limit.get_label() == "GPU memory, 80 GiB: far above these plans"
+
+
 def test_with_nothing_accepted_the_chart_says_why():
     every = plans(SEVENTY_B, Batch(1536), Cluster.dgx_a100(1))
     ax = plot_plans(every, Cluster.dgx_a100(1))

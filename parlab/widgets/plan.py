@@ -28,26 +28,34 @@ TOLERANCE = 0.15  # issue 16's criterion: a measured step within 15% of the pred
 
 def plot_plans(every, cluster, n=10, ax=None):
     """The ``n`` fastest accepted plans of ``every`` (``parlab.plan.plans``' list) as points:
-    step time (s) across, memory per GPU (GiB) up, each labelled N_d x t x K, its ZeRO stage
-    and its shard group, recompute and offload where it has them, the fastest as a star; a
-    line at the GPU's memory. With no accepted plan, says how many were rejected and the first
-    reason. Returns the axes."""
+    step time (s) across, memory per GPU up, each labelled N_d x t x K, its ZeRO stage and its
+    shard group, recompute and offload where it has them, the fastest as a star; a line at the
+    GPU's memory. Plans that all need under a twentieth of it (a small model) are drawn in MiB
+    without the line, which would flatten them against the axis; the legend still gives the
+    GPU's memory. With no accepted plan, says how many were rejected and the first reason.
+    Returns the axes."""
     import matplotlib.pyplot as plt
 
     ax = ax or plt.figure(figsize=FIGSIZE).subplots()
     accepted = [p for p in every if not p.rejected][:n]
-    ax.axhline(cluster.memory / GIB, color="grey", linestyle="--", label=f"GPU memory, {cluster.memory / GIB:g} GiB")
+    small = bool(accepted) and max(p.memory.total for p in accepted) < cluster.memory / 20
+    unit, scale = ("MiB", 2**20) if small else ("GiB", GIB)
+    limit = f"GPU memory, {cluster.memory / GIB:g} GiB"
+    if small:
+        ax.plot([], [], color="grey", linestyle="--", label=f"{limit}: far above these plans")
+    else:
+        ax.axhline(cluster.memory / GIB, color="grey", linestyle="--", label=limit)
     for rank, plan in enumerate(accepted):
-        ax.plot(plan.time.total, plan.memory.total / GIB, "*" if rank == 0 else "o", color="C1" if rank == 0 else "C0",
-                markersize=14 if rank == 0 else 6, gid=f"plan-{rank}")
-        ax.annotate(_label(plan), (plan.time.total, plan.memory.total / GIB), fontsize=7, xytext=(4, 4),
-                    textcoords="offset points")
+        point = (plan.time.total, plan.memory.total / scale)
+        ax.plot(*point, "*" if rank == 0 else "o", color="C1" if rank == 0 else "C0", markersize=14 if rank == 0 else 6,
+                gid=f"plan-{rank}")
+        ax.annotate(_label(plan), point, fontsize=7, xytext=(4, 4), textcoords="offset points")
     if not accepted:
         first = next((p for p in every if p.memory is not None), every[0])
         ax.text(0.5, 0.5, f"no plan accepted ({len(every)} rejected);\ne.g. {' '.join(first.reasons)}",
                 transform=ax.transAxes, ha="center", va="center", fontsize=9)
     ax.margins(x=0.12)  # room for the labels of the slowest points
-    ax.set(xlabel="step time (s)", ylabel="memory per GPU (GiB)", ylim=(0, None),
+    ax.set(xlabel="step time (s)", ylabel=f"memory per GPU ({unit})", ylim=(0, None),
            title=f"{len(accepted)} fastest plans on {cluster.name}\n(N_d x t x K, ZeRO stage; S=: HYBRID_SHARD, "
                  "rc: recompute, off: offload)")
     ax.legend(loc="lower right", fontsize=8)
