@@ -62,6 +62,7 @@ def test_at_least_ten_plans_cover_every_engine_of_the_table():
             (True, False, 0, False, False), (True, False, 0, False, True), (False, True, 0, True, False)]:
         assert kind in kinds, kind
     assert all(measure.runnable(p) is None for p in chosen)
+    assert not any(p.offload or p.shard_group for p in chosen)  # what the engines run, nothing else
 
 
 def test_every_plan_trains_like_one_process(trained):
@@ -134,6 +135,8 @@ def test_each_plan_carries_the_prediction_the_run_is_costed_by():
     for plan in measure.predicted_plans():
         memory, seconds = measure.predict(plan)
         assert plan.memory == memory and plan.time == seconds
+        assert memory.states == model_state_bytes(measure.model().psi / (plan.t * plan.K), plan.zero, plan.N_d,
+                                                  *FP32_ADAM)
         hides = plan.t == plan.K == 1 and plan.zero == 0  # only DDP overlaps its all-reduce with backward
         exposed = plan_time(measure.model(), measure.BATCH, emulated_cluster(), plan, FP32_ADAM, efficiency=1.0,
                             activation_bytes=4, overlapped=()).data

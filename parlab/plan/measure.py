@@ -107,7 +107,8 @@ def predicted_plans(batch=BATCH, cluster=None, layouts=LAYOUTS):
     recompute)), its estimates as ``predict`` costs the run."""
     cluster = cluster or emulated_cluster()
     every = {(p.N_d, p.t, p.K, p.zero, p.b, p.recompute): p
-             for p in plans(model(), batch, cluster, FP32_ADAM, efficiency=1.0, max_bubble=1.0, reserve=0)}
+             for p in plans(model(), batch, cluster, FP32_ADAM, efficiency=1.0, max_bubble=1.0, reserve=0,
+                            offload=(False,), hybrid=False)}  # the engines run neither
     chosen = []
     for layout in layouts:
         if layout not in every:
