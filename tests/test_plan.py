@@ -73,13 +73,15 @@ def test_fewer_micro_batches_than_stages_hold_only_m():
 def test_step_time_of_a_tensor_parallel_plan_by_hand():
     time = plan_time(SEVEN_B, Batch(512), NODE, Plan(4, 2, 1, zero=1, b=1, M=128, recompute=False))
     assert time.compute == 6 * 6_738_415_616 * 512 * 4096 / (8 * 312e12 * 0.5)
-    # 4 all-reduces per layer and micro-batch, 32 x 128 of them, of b s h = 16,777,216 16-bit values on 2 ranks
-    # over NVLink: 2 (t - 1) alpha + 2 (t - 1) / t D beta = 2 x 5 us + 33,554,432 B / 300 GB/s.
-    assert time.tensor == pytest.approx(4 * 32 * 128 * (2 * 5e-6 + 33_554_432 / 300e9), rel=1e-12)
+    # 4 all-reduces per layer and micro-batch and 2 for the embedding and the head, (4 x 32 + 2) x 128 of them,
+    # of b s h = 16,777,216 16-bit values on 2 ranks over NVLink: 2 (t - 1) alpha + 2 (t - 1) / t D beta
+    # = 2 x 5 us + 33,554,432 B / 300 GB/s.
+    assert time.tensor == pytest.approx((4 * 32 + 2) * 128 * (2 * 5e-6 + 33_554_432 / 300e9), rel=1e-12)
     assert time.pipeline == time.bubble == 0
-    # The gradients' ring (6 x (5 us + 842,301,952 x 2 B / 300 GB/s) = 34 ms) hides behind the last backward.
-    assert time.data == 0
-    assert time.total == time.compute + time.tensor
+    # The gradients' ring (6 x (5 us + 842,301,952 x 2 B / 300 GB/s) = 34 ms) hides behind the last backward,
+    # all but its last bucket of 25 MiB (13,107,200 gradients): 6 x (5 us + 3,276,800 x 2 B / 300 GB/s).
+    assert time.data == pytest.approx(6 * (5e-6 + 3_276_800 * 2 / 300e9), rel=1e-12)
+    assert time.total == time.compute + time.tensor + time.data
 
 
 def test_each_term_calls_the_lectures_formulas():
@@ -91,7 +93,7 @@ def test_each_term_calls_the_lectures_formulas():
     f = bubble_formula(8, 192)
     assert time.bubble == pytest.approx((time.compute + time.tensor + time.pipeline) * f / (1 - f), rel=1e-12)
     one_all_reduce = cost_model("ring", 4096 * 8192 * 2, 8, 5e-6, 1 / 300e9)
-    assert time.tensor == 4 * 10 * 192 * one_all_reduce
+    assert time.tensor == (4 * 10 + 1) * 192 * one_all_reduce  # a stage holds the embedding or the head, not both
     ring = ring_communication_seconds([1_077_760_128], 8, 2, 1, inter.latency, inter.bandwidth)
     assert time.data == pytest.approx(max(0, ring - time.compute * 4 / 6 / 192), abs=1e-12)
 
@@ -105,14 +107,17 @@ def test_zero_2_and_3_communicate_every_micro_batch(zero, collectives, hidden):
     inter = SIXTY_FOUR_NODES.inter
     one = ring_communication_seconds([padded], 64, 2, zero, inter.latency, inter.bandwidth)
     backward = time.compute * 4 / 6
-    assert time.data == pytest.approx(max(0, one * collectives - backward * hidden), rel=1e-12)
+    # nothing hides the last bucket (25 MiB: 13,107,200 16-bit gradients): an all-reduce, a reduce-scatter at 2
+    bucket = ring_communication_seconds([13_107_200], 64, 2, 0, inter.latency, inter.bandwidth)
+    last = {0: bucket, 1: bucket, 2: bucket / 2, 3: 0}[zero]
+    assert time.data == pytest.approx(max(one * collectives - backward * hidden, last), rel=1e-12)
 
 
 def test_recompute_adds_a_forward_and_its_all_reduces():
     off = plan_time(SEVEN_B, Batch(512), NODE, Plan(4, 2, 1, zero=1, b=1, M=128, recompute=False))
     on = plan_time(SEVEN_B, Batch(512), NODE, Plan(4, 2, 1, zero=1, b=1, M=128, recompute=True))
     assert on.compute == pytest.approx(off.compute * 8 / 6, rel=1e-12)
-    assert on.tensor == pytest.approx(off.tensor * 6 / 4, rel=1e-12)
+    assert on.tensor == pytest.approx(off.tensor * (6 * 32 + 2) / (4 * 32 + 2), rel=1e-12)  # not the ends
 
 
 # --- enumeration ----------------------------------------------------------------------------

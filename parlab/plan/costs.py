@@ -18,10 +18,11 @@ Memory per GPU (``plan_memory``), each term from the lecture that owns it:
 Step time (``plan_time``), in seconds:
 
     compute   6 Psi B s FLOPs (8 Psi B s with recompute: a second forward) / (N peak efficiency)
-    tensor    (4 + 2 recompute) L / K M ring all-reduces of b s h 16-bit values on t ranks:
-              2 in forward, 2 in backward per layer (Megatron's f and g), 2 more when the
-              forward is recomputed; with sequence parallelism the all-gather and
-              reduce-scatter that replace each all-reduce move the same bytes
+    tensor    ((4 + 2 recompute) L / K + e) M ring all-reduces of b s h 16-bit values on t
+              ranks: 2 in forward, 2 in backward per layer (Megatron's f and g), 2 more when
+              the forward is recomputed; e = 2 (1 on a stage of a pipeline: the first or the
+              last) for the embedding's g and the head's f; with sequence parallelism the
+              all-gather and reduce-scatter that replace each all-reduce move the same bytes
     pipeline  2 M messages of b s h / t 16-bit values (b s h without sequence parallelism)
               per stage: an activation forward and its gradient back, one Link.time each
     bubble    (compute + tensor + pipeline) x f / (1 - f), f = bubble_formula(K, M) of
@@ -43,7 +44,9 @@ Step time (``plan_time``), in seconds:
 Overlap assumed for the data axis: its collectives run behind backward where the technique
 starts them during backward. Stages 0 and 1 (bucketed all-reduce) hide behind the last
 micro-batch's backward; stage 2 behind every micro-batch's backward (each reduce-scatters
-its own); stage 3 behind all compute (prefetched gathers). Only what sticks out is added.
+its own); stage 3 behind all compute (prefetched gathers). Only what sticks out is added,
+and at least the last bucket's collective (``bucket_bytes`` of the first layers' gradients,
+ready when backward ends) at stages 0 to 2.
 Tensor and pipeline messages sit on the critical path and are never hidden.
 
 Offload: ZeRO-Offload as ``parlab.zero.ZeroDP(..., offload=True)`` runs it, in the plan's
@@ -72,6 +75,7 @@ from parlab.pipeline import bubble_formula
 from parlab.zero.formulas import offload_bytes_per_step, offload_state_bytes
 
 ACTIVATION_BYTES = 2  # 16-bit activations, as Korthikanti et al. count them
+BUCKET_BYTES = 25 * 2**20  # the gradients' bucket, torch DDP's bucket_cap_mb = 25
 
 
 class Memory(NamedTuple):
@@ -123,19 +127,21 @@ def plan_memory(model, plan, precision=MIXED_ADAM, sequence_parallel=True):
 
 
 def plan_time(model, batch, cluster, plan, precision=MIXED_ADAM, efficiency=0.5, sequence_parallel=True,
-              activation_bytes=ACTIVATION_BYTES, overlapped=STAGES):
+              activation_bytes=ACTIVATION_BYTES, overlapped=STAGES, bucket_bytes=BUCKET_BYTES):
     """``StepTime`` of one step of ``plan`` (a ``Plan``; its estimates are not read), by the
     module docstring's formula. ``activation_bytes``: bytes of one activation value in the
     tensor and pipeline messages (2: 16-bit). ``overlapped``: the ZeRO stages whose data-axis
     communication runs behind backward (module docstring, "Overlap"); an engine that
-    communicates after backward, on the critical path, is costed with ``overlapped=()``."""
+    communicates after backward, on the critical path, is costed with ``overlapped=()``.
+    ``bucket_bytes``: the gradients' last bucket, whose collective backward cannot hide."""
     N_d, t, K, zero, b, M, recompute = _layout(model, plan)
     N, s, h = cluster.gpus, model.s, model.h
     compute = (8 if recompute else 6) * model.psi * batch.B * s / (N * cluster.peak_flops * efficiency)
     tensor = 0.0
     if t > 1:
         link = cluster.intra if cluster.within_node(t) else cluster.inter
-        all_reduces = (6 if recompute else 4) * (model.L // K) * M
+        ends = 2 if K == 1 else 1  # the embedding's and the head's collectives, on the first and last stage
+        all_reduces = ((6 if recompute else 4) * (model.L // K) + ends) * M
         tensor = all_reduces * cost_model("ring", b * s * h * activation_bytes, t, link.latency, 1 / link.bandwidth)
     pipeline = 0.0
     if K > 1:
@@ -143,12 +149,12 @@ def plan_time(model, batch, cluster, plan, precision=MIXED_ADAM, efficiency=0.5,
         pipeline = 2 * M * link.time(b * s * h * activation_bytes / (t if sequence_parallel else 1))
     busy = compute + tensor + pipeline
     idle = bubble_formula(K, M)
-    data = _exposed_data_seconds(model, cluster, precision, plan, compute, zero in overlapped)
+    data = _exposed_data_seconds(model, cluster, precision, plan, compute, zero in overlapped, bucket_bytes)
     return StepTime(compute, tensor, pipeline, busy * idle / (1 - idle), data,
                     _offload_seconds(model, cluster, precision, plan) if plan.offload else 0.0)
 
 
-def _exposed_data_seconds(model, cluster, precision, plan, compute, overlaps):
+def _exposed_data_seconds(model, cluster, precision, plan, compute, overlaps, bucket_bytes):
     N_d, t, K, zero, M, recompute = plan.N_d, plan.t, plan.K, plan.zero, plan.M, plan.recompute
     if N_d == 1:
         return 0.0
@@ -164,7 +170,20 @@ def _exposed_data_seconds(model, cluster, precision, plan, compute, overlaps):
     if not overlaps:
         return seconds
     hidden_behind = {0: backward / M, 1: backward / M, 2: backward, 3: compute}[zero]
-    return max(0.0, seconds - hidden_behind)
+    return max(seconds - hidden_behind, _last_bucket_seconds(model, cluster, precision, plan, bucket_bytes))
+
+
+def _last_bucket_seconds(model, cluster, precision, plan, bucket_bytes):
+    """The collective of the last bucket (the first layers' gradients, which backward produces
+    last): it starts when backward ends, so nothing hides it. An all-reduce at stages 0 and 1,
+    a reduce-scatter at stage 2; stage 3's gathers and reduce-scatters are left hidden."""
+    if plan.zero == 3 or plan.shard_group:
+        return 0.0
+    N_d, link = plan.N_d, cluster.intra if cluster.within_node(plan.t * plan.N_d) else cluster.inter
+    numel = min(bucket_bytes / precision.grad_bytes, model.psi / (plan.t * plan.K))
+    all_reduce = ring_communication_seconds([_padded(numel, N_d)], N_d, precision.grad_bytes, 0, link.latency,
+                                            link.bandwidth)
+    return all_reduce / 2 if plan.zero == 2 else all_reduce
 
 
 def _hybrid_micro_batch_seconds(psi, N_d, S, precision, cluster):

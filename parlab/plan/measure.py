@@ -38,11 +38,13 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from parlab._checks import whole_number
+from parlab.ddp import MB, assign_buckets
+from parlab.gpt import GPT
 from parlab.memory import FP32_ADAM
 from parlab.plan.costs import Memory, StepTime, plan_memory, plan_time
 from parlab.plan.inputs import GIB, Batch, Cluster, Model
 from parlab.plan.planner import Plan, plans
-from parlab.plan.runs import CONFIG, train_plan
+from parlab.plan.runs import CONFIG, DDP_BUCKET_MB, train_plan
 from parlab.runtime import Link
 
 LINK = Link(latency=100e-6, bandwidth=10e6)
@@ -121,12 +123,19 @@ def predicted_plans(batch=BATCH, cluster=None, layouts=LAYOUTS):
 
 def predict(plan, batch=BATCH, cluster=None):
     """(``Memory``, ``StepTime``) of ``plan`` as the run is costed: fp32 Adam (``FP32_ADAM``),
-    efficiency 1 (the declared compute is the peak's), 4-byte activations in the messages, and
-    the overlap of the plan's engine (``overlapped``)."""
+    efficiency 1 (the declared compute is the peak's), 4-byte activations in the messages, the
+    overlap of the plan's engine (``overlapped``) and DDP's last bucket (``last_bucket_bytes``)."""
     gpt, cluster = model(), cluster or emulated_cluster()
     seconds = plan_time(gpt, batch, cluster, plan, FP32_ADAM, efficiency=1.0, activation_bytes=4,
-                        overlapped=overlapped(plan))
+                        overlapped=overlapped(plan), bucket_bytes=last_bucket_bytes())
     return plan_memory(gpt, plan, FP32_ADAM), seconds
+
+
+def last_bucket_bytes():
+    """Bytes of the last bucket DDP all-reduces in the run (``runs.DDP_BUCKET_MB`` each, filled
+    from the last parameter back: the first layer's and the embeddings' gradients)."""
+    sizes = [p.numel() * p.element_size() for p in GPT(CONFIG).parameters()]
+    return sum(sizes[i] for i in assign_buckets(sizes, DDP_BUCKET_MB * MB)[-1])
 
 
 def declared_forward_seconds(plan, cluster=None):

@@ -19,6 +19,7 @@ from parlab.memory import measure_model_state
 
 CONFIG = GPTConfig(L=4)
 LR = 1e-3
+DDP_BUCKET_MB = 1  # about a layer per bucket: backward hides all but the last
 
 
 
@@ -96,7 +97,7 @@ def _engine(gpt, N_d, t, K, zero, M, recompute, forward_s):
     if zero == 0:
         from parlab.ddp import DDP
 
-        engine = DDP(gpt, bucket_cap_mb=1)
+        engine = DDP(gpt, bucket_cap_mb=DDP_BUCKET_MB)
         optimizer = torch.optim.Adam(engine.parameters(), lr=LR)
 
         def step(tokens, targets):
