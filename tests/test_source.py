@@ -20,7 +20,7 @@ def test_lines_pick_a_part_counted_within_the_object():
 def test_show_prints_the_qualified_name_and_the_code_outside_a_notebook(capsys):
     show(collectives.ring_allreduce)
     out = capsys.readouterr().out
-    assert out.startswith("# parlab.collectives.ring_allreduce\ndef ring_allreduce(")
+    assert out.startswith("# parlab.collectives.ring.ring_allreduce\ndef ring_allreduce(")  # the module to open
 
 
 @pytest.mark.parametrize("obj, lines, fix", [(42, None, "pass a function"),
