@@ -120,6 +120,27 @@ def train(steps=3, batch=8, lr=0.5, seed=0):
     return {"world_size": world_size, "losses": losses, "checksum": checksum(weights), "weights": weights}
 
 
+def one_process(steps=3, batch=8, lr=0.5, seed=0, world_size=1, order=None):
+    """``train``'s SGD in one process, the reference its launched runs are checked against:
+    (weights, losses). ``world_size`` 1: the gradient of the full batch. Otherwise the ranks'
+    arithmetic (``parlab.numerics``' yardstick runs): each rank's shard (``DistributedSampler``'s
+    r, r + N_d, ...), their gradients summed in ``order`` and divided by ``world_size``, and the
+    losses likewise."""
+    from parlab.numerics import backward_in_shards
+
+    model = build_model(seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        tokens, targets = full_batch(step, batch, seed)
+        shards = [(tokens[r::world_size], targets[r::world_size]) for r in range(world_size)]
+        backward_in_shards(model.loss, model.parameters(), shards, order)
+        with torch.no_grad():
+            losses.append(sum(model.loss(*shards[r]) for r in order or [0]) / world_size)
+        optimizer.step()
+    return dict(model.state_dict()), torch.tensor(losses)
+
+
 def checksum(weights):
     """The first 16 hex digits of the SHA-256 of the weights' names and bytes, in the state
     dict's order: the same for weights equal bit for bit, another for a change in any bit.

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from parlab import slurm, train
-from parlab.numerics import assert_equivalent, backward_in_shards, ring_orders
+from parlab.numerics import assert_equivalent, ring_orders
 from parlab.runtime import RankError
 
 STEPS, BATCH, LR = 2, 8, 0.5
@@ -29,26 +29,11 @@ needs_torchrun = pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not on
 DEADLINE = 120  # seconds for a launch; a hang fails the test instead of the session
 
 
-def loss_of(model, tokens, targets):
-    return model.loss(tokens, targets)
-
-
 @functools.cache
 def one_process(world_size=1, order=None):
-    """(weights, losses) of SGD in one process. world_size 1: the full batch's gradient, the
-    reference. Otherwise the ranks' arithmetic (the yardstick's runs): each rank's shard's
-    gradient, summed in ``order`` and divided by world_size; the loss likewise."""
-    model = train.build_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for step in range(STEPS):
-        tokens, targets = train.full_batch(step, BATCH)
-        shards = [(tokens[r::world_size], targets[r::world_size]) for r in range(world_size)]  # DistributedSampler's
-        backward_in_shards(functools.partial(loss_of, model), model.parameters(), shards, order)
-        with torch.no_grad():
-            losses.append(sum(loss_of(model, *shards[r]) for r in order or [0]) / world_size)
-        optimizer.step()
-    return dict(model.state_dict()), torch.tensor(losses)
+    """(weights, losses) of parlab.train.one_process: the reference (world_size 1) or one of
+    the yardstick's runs (the ranks' shards summed in ``order``)."""
+    return train.one_process(STEPS, BATCH, LR, world_size=world_size, order=order)
 
 
 def assert_like_one_process(weights, losses, world_size, label):
