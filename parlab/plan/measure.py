@@ -3,22 +3,22 @@
 put beside ``plan_time`` and ``plan_memory``.
 
 The emulated cluster (``emulated_cluster()``): one node of 4 ranks joined by one ``Link``
-(``LINK``: 100 us + bytes / 25 MB/s, every port alike, so a plan's layout on the ranks does not
+(``LINK``: 100 us + bytes / 10 MB/s, every port alike, so a plan's layout on the ranks does not
 change its links), each rank a device of ``PEAK_FLOPS`` whose compute is declared: a
 ``parlab.emulated.ComputeTime`` in front of every transformer layer sleeps 2 (Psi / L) b s / t
 seconds / peak forward and twice that backward (and the forward again when it is recomputed),
 so L layers of M micro-batches take the planner's 6 Psi B s / (N peak) (8 with recompute).
 The CPU's own work (the ranks' real arithmetic and Python's messages, 0.1 to 0.4 s a step on
 2 shared cores) adds to it: the declared device is slow (2.5 s of compute a step) so that it
-stays a small share. (``parlab.plan.runs`` is the ranks' side.) The model is ``CONFIG``, the GPT of
-lecture 07 with L = 4 layers (Psi = 817,920), trained with Adam in fp32 (``FP32_ADAM``,
-4-byte activations in the messages).
+stays a small share. The model is ``CONFIG``, the GPT of lecture 07 with L = 4 layers
+(Psi = 817,920), trained with Adam in fp32 (``FP32_ADAM``, 4-byte activations in the
+messages). ``parlab.plan.runs`` is the ranks' side.
 
 What runs each plan, and the overlap the prediction assumes for it (``plan_time``'s
 ``overlapped``): parlab's engines, not DeepSpeed's or Megatron's, so what they do is costed:
 
     t  K  ZeRO   engine                                          data axis behind backward
-    1  1  0      parlab.ddp.DDP, a bucket per layer, no_sync     yes (a communication thread)
+    1  1  0      parlab.ddp.DDP, a bucket per layer, no_sync     yes, all but the last bucket
     1  1  1, 2   parlab.zero.ZeroDP(stage), one bucket           no (after backward)
     1  1  3      parlab.zero.FSDP, a unit per layer              no (gathers as it goes)
     >1 1  0      TensorDataParallel (sequence parallel), M = 1   no (after backward)
@@ -26,14 +26,15 @@ What runs each plan, and the overlap the prediction assumes for it (``plan_time`
 
 Measured per plan: the step time (each step's slowest rank; the median of ``steps`` after one
 warm-up step) and each rank's model states when the gradients are synchronized, before the
-optimizer's step (``parlab.memory.measure_model_state``; the largest over ranks). The prediction's states are
-exact for data parallelism at stages 1 to 3 (a flat buffer of Psi padded to N_d, views as
+optimizer's step (``parlab.memory.measure_model_state``; the largest over ranks). The
+prediction's states are exact for data parallelism at stages 1 to 3 (a flat buffer of Psi padded to N_d, views as
 gradients); DDP keeps a second copy of the gradients in its buckets (4 Psi more; torch's
 ``gradient_as_bucket_view`` avoids it); tensor and pipeline plans keep the replicated and the
 first and last stages' embedding parameters, which the planner's Psi / (t K) spreads evenly.
 """
 
 import statistics
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -45,6 +46,7 @@ from parlab.plan.costs import Memory, StepTime, plan_memory, plan_time
 from parlab.plan.inputs import GIB, Batch, Cluster, Model
 from parlab.plan.planner import Plan, plans
 from parlab.plan.runs import CONFIG, DDP_BUCKET_MB, train_plan
+from parlab.runtime import Cluster as Ranks
 from parlab.runtime import Link
 
 LINK = Link(latency=100e-6, bandwidth=10e6)
@@ -160,17 +162,8 @@ def run_plan(plan, batch=BATCH, cluster=None, steps=3, runtime=None):
     memory, seconds = predict(plan, batch, cluster)
     forward_s = declared_forward_seconds(plan, cluster)
     layout = (plan.N_d, plan.t, plan.K, plan.zero, plan.b, plan.M, plan.recompute)
-    own = runtime is None
-    if own:
-        from parlab.runtime import Cluster as Ranks
-
-        runtime = Ranks(cluster.gpus, backend="gloo", device="cpu")  # emulated: CPU ranks even beside a GPU
-    try:
-        with runtime.emulate(link=cluster.intra):
-            results = runtime.run(train_plan, layout, batch.B, forward_s, steps)
-    finally:
-        if own:
-            runtime.close()
+    with _ranks(runtime, cluster) as ranks, ranks.emulate(link=cluster.intra):
+        results = ranks.run(train_plan, layout, batch.B, forward_s, steps)
     step_seconds = statistics.median(max(times) for times in zip(*(r["times"] for r in results)))
     return Measured(plan, memory, seconds, max(r["state_bytes"] for r in results), step_seconds)
 
@@ -181,18 +174,20 @@ def check_plans(batch=BATCH, cluster=None, steps=3, runtime=None, layouts=LAYOUT
     from parlab.runtime.progress import progress_bar
 
     chosen = predicted_plans(batch, cluster, layouts)
-    own = runtime is None
-    if own:
-        from parlab.runtime import Cluster as Ranks
+    measured = []
+    with _ranks(runtime, cluster or emulated_cluster()) as ranks, progress_bar(len(chosen), desc, unit="plan") as bar:
+        for plan in chosen:
+            measured.append(run_plan(plan, batch, cluster, steps, ranks))
+            bar.update(1)
+    return measured
 
-        runtime = Ranks((cluster or emulated_cluster()).gpus, backend="gloo", device="cpu")
-    try:
-        with progress_bar(len(chosen), desc, unit="plan") as bar:
-            measured = []
-            for plan in chosen:
-                measured.append(run_plan(plan, batch, cluster, steps, runtime))
-                bar.update(1)
-        return measured
-    finally:
-        if own:
-            runtime.close()
+
+@contextmanager
+def _ranks(runtime, cluster):
+    """``runtime``, or ranks started for the call and closed after it: gloo on CPUs, even
+    beside a GPU (the emulated cluster declares its devices)."""
+    if runtime is not None:
+        yield runtime
+        return
+    with Ranks(cluster.gpus, backend="gloo", device="cpu") as ranks:
+        yield ranks
