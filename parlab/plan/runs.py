@@ -14,13 +14,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from parlab.emulated import ComputeTime
 from parlab.gpt import GPT, CharDataset, GPTConfig
 from parlab.memory import measure_model_state
 
 CONFIG = GPTConfig(L=4)
 LR = 1e-3
 DDP_BUCKET_MB = 1  # about a layer per bucket: backward hides all but the last
-
 
 
 def train_plan(layout, B, forward_s, steps):
@@ -53,8 +53,6 @@ class _Timed(nn.Module):
 
     def __init__(self, layer, forward_s, recompute):
         super().__init__()
-        from parlab.emulated import ComputeTime
-
         self.inner, self.recompute = nn.Sequential(ComputeTime(forward_s, 2 * forward_s), layer), recompute
 
     def forward(self, x):
