@@ -21,7 +21,7 @@ def result():
 def test_a_row_per_plan_with_measured_over_predicted(result):
     (row,) = result["rows"]
     plan = measure.predicted_plans(layouts=[measure.LAYOUTS[0]])[0]
-    assert row["plan"] == "4x1x1 ZeRO-0 b=4 M=1"
+    assert row["plan"] == "4x1x1 Z0 b=4 M=1"
     assert row["predicted_s"] == plan.time.total == sum(row["terms"].values())
     assert row["ratio"] == row["measured_s"] / row["predicted_s"] and row["measured_s"] > 0
     psi = measure.model().psi

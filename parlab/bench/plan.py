@@ -17,7 +17,7 @@ import os
 import torch
 
 from parlab.bench import check_arguments, format_seconds, format_table, positive_int, progress, ratio_header
-from parlab.plan import measure
+from parlab.plan import measure, plan_label
 
 REFERENCE = "the planner's prediction (parlab.plan.plan_time, the run's engines' overlap)"
 
@@ -48,7 +48,7 @@ def bench_plan(steps=2, plans=None):
 def plan_row(m):
     """One row of the result from a ``parlab.plan.Measured``."""
     p, t = m.plan, m.predicted_time
-    return {"plan": f"{p.N_d}x{p.t}x{p.K} ZeRO-{p.zero} b={p.b} M={p.M}{' recompute' if p.recompute else ''}",
+    return {"plan": plan_label(p, long=True),
             "predicted_s": t.total, "terms": t._asdict(), "measured_s": m.step_seconds, "ratio": m.time_ratio,
             "predicted_state_bytes": m.predicted_memory.states.total, "measured_state_bytes": m.state_bytes,
             "state_ratio": m.state_ratio}

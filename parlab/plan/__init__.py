@@ -18,8 +18,8 @@ from parlab.plan.costs import Memory, StepTime, plan_memory, plan_time
 from parlab.plan.inputs import GIB, Batch, Cluster, Model
 from parlab.plan.measure import Measured, check_plans, emulated_cluster, run_plan
 from parlab.plan.planner import Plan, best_plans, grids, plans
-from parlab.plan.table import format_table, plan_table
+from parlab.plan.table import format_table, plan_label, plan_table
 
 __all__ = ["GIB", "Batch", "Cluster", "Measured", "Model", "Memory", "Plan", "StepTime", "best_plans", "check_plans",
            "emulated_cluster", "format_table", "grids", "run_plan",
-           "plan_memory", "plan_table", "plan_time", "plans"]
+           "plan_label", "plan_memory", "plan_table", "plan_time", "plans"]

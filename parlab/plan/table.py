@@ -3,6 +3,7 @@ as text, so a notebook, a test or a terminal reads them without pandas.
 
     rows = plan_table(plans(model, batch, cluster), n=5)
     print(format_table(rows))
+    plan_label(plan)           # "8x1x1 Z1 rc": a plan in a few characters
 """
 
 from parlab._checks import whole_number
@@ -10,6 +11,16 @@ from parlab.plan.inputs import GIB
 
 COLUMNS = ("N_d", "t", "K", "ZeRO", "S", "b", "M", "recompute", "offload", "GiB", "step (s)", "compute", "tensor",
            "pipeline", "bubble", "data", "host", "verdict")
+
+
+def plan_label(plan, long=False):
+    """A plan in a few characters, for a chart's point or a table's row: N_d x t x K and the
+    ZeRO stage (S=: HYBRID_SHARD's shard group; rc: recompute; off: offload); ``long`` adds
+    b and M."""
+    shard = f" S={plan.shard_group}" if plan.shard_group else ""
+    micro = f" b={plan.b} M={plan.M}" if long else ""
+    return (f"{plan.N_d}x{plan.t}x{plan.K} Z{plan.zero}{shard}{micro}{' rc' if plan.recompute else ''}"
+            f"{' off' if plan.offload else ''}")
 
 
 def plan_table(every, n=10, rejected=0):

@@ -14,7 +14,7 @@ controls with ``Cluster.dgx_a100``'s peak FLOP/s and latencies; memory and bandw
 
 import html
 
-from parlab.plan import GIB, Batch, Cluster, Model, format_table, measure, plan_table, plans
+from parlab.plan import GIB, Batch, Cluster, Model, format_table, measure, plan_label, plan_table, plans
 from parlab.runtime import Link
 from parlab.widgets._common import FIT, Feedback, button, import_ipywidgets, in_range, log_slider, png, show_static
 
@@ -49,7 +49,7 @@ def plot_plans(every, cluster, n=10, ax=None):
         point = (plan.time.total, plan.memory.total / scale)
         ax.plot(*point, "*" if rank == 0 else "o", color="C1" if rank == 0 else "C0", markersize=14 if rank == 0 else 6,
                 gid=f"plan-{rank}")
-        ax.annotate(_label(plan), point, fontsize=7, xytext=(4, 4), textcoords="offset points")
+        ax.annotate(plan_label(plan), point, fontsize=7, xytext=(4, 4), textcoords="offset points")
     if not accepted:
         first = next((p for p in every if p.memory is not None), every[0])
         ax.text(0.5, 0.5, f"no plan accepted ({len(every)} rejected);\ne.g. {' '.join(first.reasons)}",
@@ -100,7 +100,7 @@ def plan_widget(model="70B", B=1536, nodes=64, memory_gib=80, n=8):
     inter = log_slider(A100.inter.bandwidth / 1e9, -1, 3, "inter-node GB/s", continuous_update=False)
     image, table, feedback = widgets.Image(format="png"), widgets.HTML(), Feedback()
     runnable = sorted(measure.predicted_plans(), key=lambda p: p.time.total)  # fastest predicted first
-    to_run = widgets.Dropdown(options=[(_label(p, long=True), i) for i, p in enumerate(runnable)],
+    to_run = widgets.Dropdown(options=[(plan_label(p, long=True), i) for i, p in enumerate(runnable)],
                               description="plan on 4 emulated ranks", style=FIT)
     measured = widgets.HTML()
 
@@ -120,17 +120,17 @@ def plan_widget(model="70B", B=1536, nodes=64, memory_gib=80, n=8):
                                          f"{chosen.value} would need a real cluster. Pick the {RUNS} to run a plan.")
             return
         plan = runnable[to_run.value]
-        measured.value = html.escape(f"{_label(plan, long=True)}: the planner predicts {plan.time.total:.3g} s per "
+        measured.value = html.escape(f"{plan_label(plan, long=True)}: the planner predicts {plan.time.total:.3g} s per "
                                      f"step; \"run this plan\" starts 4 ranks and measures it.")
 
     def run_selected(_=None):
         if chosen.value != RUNS:
             raise ValueError(f"only the {RUNS} runs on this machine, not the {chosen.value}: pick the {RUNS}.")
         plan = runnable[to_run.value]
-        feedback.say(f"running {_label(plan, long=True)} on 4 emulated ranks...")
+        feedback.say(f"running {plan_label(plan, long=True)} on 4 emulated ranks...")
         result = measure.run_plan(plan, steps=1)  # one warm-up step and one measured: the emulated time barely varies
         measured.value = f"<pre>{html.escape(format_measured([result]))}</pre>"
-        feedback.say(f"ran {_label(plan, long=True)}: its step took {result.time_ratio:.2f} x the prediction.")
+        feedback.say(f"ran {plan_label(plan, long=True)}: its step took {result.time_ratio:.2f} x the prediction.")
 
     run = button("run this plan", feedback.guard(run_selected, "Running the plan"))
     for control in (chosen, batch, machines, per_node, memory, intra, inter):
@@ -176,16 +176,7 @@ def format_measured(rows):
     lines = [f"{'#':>2} {'plan':24} {'predicted s':>11} {'measured s':>10} {'ratio':>5}  {'predicted states':>16} "
              f"{'measured states':>15} {'ratio':>5}"]
     for i, r in enumerate(rows, 1):
-        lines.append(f"{i:2} {_label(r.plan, long=True):24} {r.predicted_time.total:11.3f} {r.step_seconds:10.3f} "
+        lines.append(f"{i:2} {plan_label(r.plan, long=True):24} {r.predicted_time.total:11.3f} {r.step_seconds:10.3f} "
                      f"{r.time_ratio:5.2f}  {r.predicted_memory.states.total:16,.0f} {r.state_bytes:15,} "
                      f"{r.state_ratio:5.2f}")
     return "\n".join(lines)
-
-
-def _label(plan, long=False):
-    """N_d x t x K and the ZeRO stage (S=: HYBRID_SHARD's shard group; rc: recompute; off:
-    offload); ``long`` adds b and M."""
-    shard = f" S={plan.shard_group}" if plan.shard_group else ""
-    micro = f" b={plan.b} M={plan.M}" if long else ""
-    return (f"{plan.N_d}x{plan.t}x{plan.K} Z{plan.zero}{shard}{micro}{' rc' if plan.recompute else ''}"
-            f"{' off' if plan.offload else ''}")
