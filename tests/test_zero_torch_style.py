@@ -27,27 +27,45 @@ def my_batch():
     return torch.randn(4, 6, generator=generator), torch.randn(4, 5, generator=generator)
 
 
-def fsdp_own_optimizer_against_its_step():
+def trained_both_ways(make):
+    """``make(caller's)`` -> (engine, optimizer): trained STEPS steps with the engine as its
+    own optimizer (False) and with the caller's optimizer (True). Returns ({caller's: full
+    parameters}, the last engine)."""
     x, y = my_batch()
     results = {}
-    for own in (False, True):
-        engine = FSDP(build(), None, wrap_policy="per_layer") if own else FSDP(
-            build(), torch.optim.Adam, wrap_policy="per_layer", lr=1e-2)
-        optimizer = torch.optim.Adam(list(engine.parameters()), lr=1e-2) if own else engine
+    for callers in (False, True):
+        engine, optimizer = make(callers)
         for _ in range(STEPS):
             engine.zero_grad()
-            F.mse_loss(engine(x), y).backward()
+            F.mse_loss(engine(x), y).backward()  # from step 2 on, the forward gathers the caller's update first
             engine.finish_gradient_synchronization()
             optimizer.step()
-        results[own] = engine.full_parameters()
-    refusals = []
-    for attempt in (engine.step, lambda: checkpoint.full_state_dict(engine),
-                    lambda: FSDP(build(), None, lr=1e-2)):
+        results[callers] = engine.full_parameters()
+    return results, engine
+
+
+def refusals(*attempts):
+    """The sentence of each attempt's ValueError (an attempt that raises none adds nothing)."""
+    sentences = []
+    for attempt in attempts:
         try:
             attempt()
         except ValueError as error:
-            refusals.append(str(error))
-    return results, refusals
+            sentences.append(str(error))
+    return sentences
+
+
+def fsdp_own_optimizer_against_its_step():
+    def make(callers):
+        if callers:
+            engine = FSDP(build(), None, wrap_policy="per_layer")
+            return engine, torch.optim.Adam(list(engine.parameters()), lr=1e-2)
+        engine = FSDP(build(), torch.optim.Adam, wrap_policy="per_layer", lr=1e-2)
+        return engine, engine
+
+    results, engine = trained_both_ways(make)
+    return results, refusals(engine.step, lambda: checkpoint.full_state_dict(engine),
+                             lambda: FSDP(build(), None, lr=1e-2))
 
 
 @pytest.mark.timeout(60)
@@ -112,27 +130,15 @@ ZERO_CONFIGS = {"stage 0": dict(stage=0), "stage 1": dict(stage=1), "stage 2": d
 
 
 def zerodp_own_optimizer_against_its_step(config):
-    x, y = my_batch()
-    results = {}
-    for own in (False, True):
-        if own:
+    def make(callers):
+        if callers:
             engine = ZeroDP(build(), None, **ZERO_CONFIGS[config])
-            optimizer = torch.optim.Adam([engine.shard], lr=1e-2)
-        else:
-            engine = optimizer = ZeroDP(build(), torch.optim.Adam, lr=1e-2, **ZERO_CONFIGS[config])
-        for _ in range(STEPS):
-            engine.zero_grad()
-            F.mse_loss(engine(x), y).backward()  # from step 2 on, the forward gathers the caller's update first
-            engine.finish_gradient_synchronization()
-            optimizer.step()
-        results[own] = engine.full_parameters()
-    refusals = []
-    for attempt in (engine.step, lambda: ZeroDP(build(), None, lr=1e-2)):
-        try:
-            attempt()
-        except ValueError as error:
-            refusals.append(str(error))
-    return results, refusals
+            return engine, torch.optim.Adam([engine.shard], lr=1e-2)
+        engine = ZeroDP(build(), torch.optim.Adam, lr=1e-2, **ZERO_CONFIGS[config])
+        return engine, engine
+
+    results, engine = trained_both_ways(make)
+    return results, refusals(engine.step, lambda: ZeroDP(build(), None, lr=1e-2))
 
 
 @pytest.mark.timeout(60)
