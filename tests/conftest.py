@@ -13,6 +13,19 @@ import parlab
 pytest_plugins = ["parlab.grading_plugin"]
 
 
+@pytest.hookimpl(trylast=True)  # after -k and -m have chosen the items
+def pytest_collection_modifyitems(config, items):
+    """Each lecture runs once. Where the browser test runs a lecture (it is chosen, and
+    Chromium and playwright are here), it also makes nbval's check of the cells marked
+    ``# NBVAL_CHECK_OUTPUT``, so nbval's own run of that lecture is left out."""
+    browsed = {item.callspec.params["lecture"] for item in items
+               if item.path.name == "test_browser.py" and item.module.CHROMIUM is not None}
+    twice = {item for item in items if item.path.suffix == ".ipynb" and item.path.name in browsed}
+    if twice:
+        config.hook.pytest_deselected(items=list(twice))
+        items[:] = [item for item in items if item not in twice]
+
+
 @pytest.fixture(autouse=True)
 def close_figures():
     """Every test leaves no open matplotlib figure behind (a test that never drew imports

@@ -5,6 +5,8 @@ toggle, press each button, and see the widget's output change without an error s
 (a button that measures on the cluster finds it closed by the lecture's last cell: the
 widget starts a new one). Last, save, stop the kernel and reopen, as after closing the
 notebook: every widget output must have a static picture beside it that still shows.
+The run also serves as nbval's: the cells marked ``# NBVAL_CHECK_OUTPUT`` must give their
+stored outputs (tests/checked_outputs.py), so a full ``pytest`` runs each lecture once.
 
 Needs Chromium (Debian: apt-get install chromium) and playwright (pip); skipped without them.
 Nothing in the repository is written: JupyterLab serves copies of the notebooks from a
@@ -26,6 +28,7 @@ import time
 import urllib.request
 
 import pytest
+from checked_outputs import checked_cells, differences
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="the browser test needs playwright (pip install it)")
 pytest.importorskip("jupyterlab", reason="the browser test needs JupyterLab (pip install -e '.[dev]')")
@@ -121,7 +124,9 @@ def test_the_lecture_runs_and_its_widgets_answer_in_jupyterlab(lecture, lab, bro
         assert finished != "timeout", f"running all cells took more than {RUN_ALL_S} s"
         page.wait_for_function(KERNEL_IDLE, timeout=60_000, polling=500)
         timings["run all"] = time.monotonic() - started
-        stderr = _check_outputs(page)
+        cells = page.evaluate(OUTPUTS)
+        stderr = _check_outputs(page, cells)
+        _check_stored_outputs(cells, NOTEBOOKS / lecture)
         started = time.monotonic()
         actions = _use_every_control(page)
         timings[f"{actions} widget actions"] = time.monotonic() - started
@@ -146,11 +151,12 @@ def _open(page, lab, lecture):
     page.wait_for_function(KERNEL_IDLE, timeout=120_000, polling=500)
 
 
-def _check_outputs(page):
-    """No error output, every widget displayed, no label cut. Returns the first line of each
-    stderr output: not a failure (warnings go there), but a learner sees a pink box."""
+def _check_outputs(page, cells):
+    """No error output in ``cells`` (OUTPUTS after running all), every widget displayed, no
+    label cut. Returns the first line of each stderr output: not a failure (warnings go there),
+    but a learner sees a pink box."""
     errors, stderr, widgets = [], [], 0
-    for cell in page.evaluate(OUTPUTS):
+    for cell in cells:
         for output in cell["outputs"]:
             if output["output_type"] == "error":
                 errors.append(f"cell {cell['index']}: {output['ename']}: {output['evalue'][:300]}")
@@ -164,6 +170,15 @@ def _check_outputs(page):
     cut = page.evaluate(CUT_LABELS)
     assert not cut, f"labels cut short: {cut}"
     return stderr
+
+
+def _check_stored_outputs(cells, notebook):
+    """nbval's lax check on this run: every cell marked ``# NBVAL_CHECK_OUTPUT`` gives the
+    outputs stored in ``notebook``."""
+    fresh = {cell["index"]: cell["outputs"] for cell in cells}
+    failed = [f"cell {index}: " + "\n".join(differences(stored, fresh[index]))
+              for index, stored in checked_cells(notebook).items() if differences(stored, fresh[index])]
+    assert not failed, "checked cells (# NBVAL_CHECK_OUTPUT) differ from their stored outputs:\n" + "\n".join(failed)
 
 
 def _use_every_control(page):
