@@ -1,6 +1,7 @@
 """Lecture 07's widget without a browser: the bars are parlab's accounting and the paper's
 formula, measured bytes are marked only on their own configuration, the widget answers its
-controls, and a size that does not split is told in the feedback line."""
+controls (selective recompute among them), and a size that does not split is told in the
+feedback line."""
 
 import matplotlib
 import pytest
@@ -23,18 +24,29 @@ def test_the_bars_are_the_accounting_stacked_and_the_formula():
     assert "t = 4, TP + SP" in ax.get_title()
 
 
+def test_selective_recompute_drops_the_attention_s_s_by_s_items_from_both_bars():
+    ax = plot_activation_memory(2048, 1, 4096, 32, t=4, sequence_parallel=True, recompute="selective")
+    items = layer_saved_bytes(2048, 1, 4096, 32, 4, True, "selective", value_bytes=2, mask_bytes=1)
+    assert not {"softmax output", "attention dropout output", "attention dropout mask"} & set(items)
+    assert bar_widths(ax, 1) == pytest.approx([nbytes / MIB for nbytes in items.values()])
+    assert bar_widths(ax, 0) == pytest.approx([2048 * 4096 * 34 / 4 / MIB])  # sbh 34/t
+    assert "TP + SP, selective recompute" in ax.get_title()
+
+
 def test_measured_bytes_are_marked_on_their_own_configuration_only():
     config = dict(s=16, b=2, h=32, a=4, t=2, sequence_parallel=False, recompute=False, value_bytes=4, mask_bytes=4)
+    # recompute False (as measured) is the drawn "none"; selective is another configuration
     measured = [{"config": config, "bytes": 3 * MIB, "label": "measured, t = 2"},
                 {"config": {**config, "t": 4}, "bytes": 9 * MIB, "label": "measured, t = 4"}]
     ax = plot_activation_memory(**config, measured=measured)
     [line] = ax.lines
     assert list(line.get_xdata()) == [3.0] and [text.get_text() for text in ax.texts] == ["measured, t = 2"]
+    assert not plot_activation_memory(**{**config, "recompute": "selective"}, measured=measured).lines
 
 
 def test_the_widget_redraws_on_a_control_and_reports_a_size_that_does_not_split():
     widget = activation_widget(s=1024, b=1, h=1024, a=16, t=2)
-    first_row, second_row, readout, feedback, image = widget.children
+    first_row, second_row, recompute, readout, feedback, image = widget.children
     s_slider = first_row.children[0]
     t_slider, sp = second_row.children[1], second_row.children[2]
     before = (readout.value, image.value)
@@ -48,6 +60,11 @@ def test_the_widget_redraws_on_a_control_and_reports_a_size_that_does_not_split(
     assert feedback.children[0].value == ""
     s_slider.value = 2048
     assert f"{korthikanti_bytes(2048, 1, 1024, 16, 4, True) / MIB:.3g} MiB" in readout.value
+    assert recompute.value == "none"
+    recompute.value = "selective"
+    assert f"{korthikanti_bytes(2048, 1, 1024, 16, 4, True, 'selective') / MIB:.3g} MiB" in readout.value
+    recompute.value = "full"
+    assert f"{korthikanti_bytes(2048, 1, 1024, 16, 4, True, 'full') / MIB:.3g} MiB" in readout.value
 
 
 def test_bad_sizes_are_refused_before_any_control():
@@ -55,3 +72,5 @@ def test_bad_sizes_are_refused_before_any_control():
         activation_widget(t=128)
     with pytest.raises(ValueError, match="the heads over t = 3 ranks"):
         activation_widget(a=32, t=3)
+    with pytest.raises(ValueError, match='recompute must be False'):
+        activation_widget(recompute="attention")

@@ -22,7 +22,11 @@ def transformer_activation_bytes(s, b, h, a, layers=1, recompute=None, t=1, sequ
     The 34 s b h: the attention block's input, Q, K, V, the output projection's input and a
     dropout mask (11), the MLP (19), the two layer norms' inputs (4); the 5 a s^2 b: the
     softmax output, its dropout mask and the dropout output, a x s x s per sample each.
-    Embeddings and the output layer are not counted.
+    Embeddings and the output layer are not counted. The 5 a s / h term assumes attention
+    written out, its (b, a, s, s) tensors stored; memory-efficient attention (FlashAttention,
+    xformers, as LLaMA trains) never stores them, so its layers keep about the "selective"
+    bytes (plus a few numbers per head and position). Megatron-LM's
+    ``--recompute-activations`` is the selective kind; ``--recompute-granularity full`` the full.
     """
     _check_sizes(s=s, b=b, h=h, a=a, layers=layers)
     whole_number("t (the tensor-parallel degree)", t, "give the number of ranks a layer is split over, 1 for none.")

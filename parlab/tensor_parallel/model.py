@@ -25,6 +25,12 @@ all-reduce of a flat buffer), as Megatron does.
 Dropout on t ranks draws its masks from each rank's own generator: seed the ranks of a
 group alike so that the replicated regions drop the same elements (the equivalence tests
 train with dropout 0).
+
+Selective recompute (Korthikanti et al. 2022, section 5; Megatron-LM's
+``--recompute-activations``), ``recompute_attention=True``: the attention core (scores,
+softmax, dropout, times values) runs under ``torch.utils.checkpoint``, so forward keeps only
+its inputs q, k and v, and backward runs it again (with the same dropout mask) to get the
+(b, a/t, s, s) tensors that the rest of the layer would otherwise keep from forward.
 """
 
 import copy
@@ -33,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from parlab import trace
 from parlab.collectives import ring_allreduce
@@ -49,22 +56,28 @@ __all__ = ["ParallelGPT", "ParallelMLP", "ParallelAttention"]
 
 class ParallelAttention(nn.Module):
     """``parlab.gpt.CausalSelfAttention`` on a/t heads: query, key and value in one
-    column-parallel layer (one f for the three), proj row-parallel."""
+    column-parallel layer (one f for the three), proj row-parallel; with
+    ``recompute_attention`` the core between them is recomputed in backward (module docstring)."""
 
-    def __init__(self, attention, group=None, sequence_parallel=False):
+    def __init__(self, attention, group=None, sequence_parallel=False, recompute_attention=False):
         super().__init__()
         heads, t = attention.query.out_features // attention.head_size, dist.get_world_size(group)
         if heads % t:
             raise ValueError(f"attention splits by heads: a = {heads} heads do not split over t = {t} ranks; "
                              "choose a multiple of t heads.")
         self.head_size, self.dropout = attention.head_size, attention.dropout
+        self.recompute_attention = recompute_attention
         self.register_buffer("causal_bias", attention.causal_bias.clone(), persistent=False)
         self.qkv = ColumnParallelLinear([attention.query, attention.key, attention.value], group, sequence_parallel)
         self.proj = RowParallelLinear(attention.proj, group, sequence_parallel)
 
     def forward(self, n):
         q, k, v = self.qkv(n).chunk(3, dim=-1)  # (b, s, h/t) each
-        y = causal_attention(q, k, v, self.head_size, self.causal_bias, self.dropout, self.training)  # (b, s, h/t)
+        core = (q, k, v, self.head_size, self.causal_bias, self.dropout, self.training)
+        if self.recompute_attention:  # keeps q, k, v; its forward runs again in backward, same RNG state
+            y = checkpoint(causal_attention, *core, use_reentrant=True)
+        else:
+            y = causal_attention(*core)  # (b, s, h/t)
         return self.proj(y)
 
 
@@ -81,10 +94,10 @@ class ParallelMLP(nn.Module):
 
 
 class ParallelBlock(nn.Module):
-    def __init__(self, block, group=None, sequence_parallel=False):
+    def __init__(self, block, group=None, sequence_parallel=False, recompute_attention=False):
         super().__init__()
         self.norm1, self.norm2 = copy.deepcopy(block.norm1), copy.deepcopy(block.norm2)
-        self.attention = ParallelAttention(block.attention, group, sequence_parallel)
+        self.attention = ParallelAttention(block.attention, group, sequence_parallel, recompute_attention)
         self.mlp = ParallelMLP(block.mlp, group, sequence_parallel)
         self.dropout = block.dropout
 
@@ -98,9 +111,10 @@ class ParallelGPT(nn.Module):
     tensor-parallel ``group`` (None: all ranks). ``forward(tokens)`` returns this rank's
     logits (b, s, V/t); ``loss(tokens, targets)`` the same mean cross-entropy as the full
     model's, computed without gathering the logits (``parallel_cross_entropy``). Every rank
-    of the group passes the same tokens."""
+    of the group passes the same tokens. ``recompute_attention``: selective recompute in
+    every layer (module docstring)."""
 
-    def __init__(self, model, group=None, sequence_parallel=False):
+    def __init__(self, model, group=None, sequence_parallel=False, recompute_attention=False):
         super().__init__()
         if not isinstance(model, GPT):
             raise ValueError(f"ParallelGPT splits a parlab.gpt.GPT, got {type(model).__name__}.")
@@ -111,7 +125,8 @@ class ParallelGPT(nn.Module):
         self.config, self.group, self.sequence_parallel = model.config, group, sequence_parallel
         self.token_embedding = VocabParallelEmbedding(model.token_embedding, group, sequence_parallel)
         self.position_embedding = copy.deepcopy(model.position_embedding)
-        self.blocks = nn.ModuleList(ParallelBlock(block, group, sequence_parallel) for block in model.blocks)
+        self.blocks = nn.ModuleList(ParallelBlock(block, group, sequence_parallel, recompute_attention)
+                                    for block in model.blocks)
         self.final_norm = copy.deepcopy(model.final_norm)
         self.head = ColumnParallelLinear(model.head, group, sequence_parallel)  # V/t logits per rank
 
