@@ -1,6 +1,6 @@
 # Generated from solutions/tensor_parallel.py by `python -m parlab.exercises build`.
-# Write your code where it raises NotImplementedError, then run `python -m parlab.grade tensor_parallel`.
-# parlab-generated sha256=0661ec3e703a2554d0e845777b88dbf1a63417098b47dd5cc4954c5693bf1679
+# Write your code where it raises NotImplementedError, then run `parlab grade tensor_parallel`.
+# parlab-generated sha256=ec41eb15d810622103727aa38c1c2a296ae5499026353cc4a89a7ba209d31b99
 """Exercise: Megatron's column- and row-parallel linear layers with the operators f and g,
 and a dynamic loss scaler.
 
@@ -34,9 +34,9 @@ multiplied by ``growth_factor``. Given the same overflows it follows the scale s
 power-of-two factors such as the defaults (GradScaler rounds its scale to fp32, a Python
 float does not; ``parlab.mixed_precision.LossScaler`` rounds as GradScaler does).
 
-Stuck? ``parlab.hint("tensor_parallel.column_row_linear")`` opens a hint, one level at a
-time. Grade your work with ``python -m parlab.grade tensor_parallel`` (or
-``parlab.check("tensor_parallel.column_row_linear")`` in a notebook).
+Stuck? ``parlab.hint("tensor_parallel.column_row_linear")`` (in a terminal, ``parlab hint
+tensor_parallel.column_row_linear``) opens a hint, one level at a time. Grade your work with
+``parlab grade tensor_parallel`` (or ``parlab.check("tensor_parallel")`` in a notebook).
 """
 
 import torch

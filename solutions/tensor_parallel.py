@@ -31,9 +31,9 @@ multiplied by ``growth_factor``. Given the same overflows it follows the scale s
 power-of-two factors such as the defaults (GradScaler rounds its scale to fp32, a Python
 float does not; ``parlab.mixed_precision.LossScaler`` rounds as GradScaler does).
 
-Stuck? ``parlab.hint("tensor_parallel.column_row_linear")`` opens a hint, one level at a
-time. Grade your work with ``python -m parlab.grade tensor_parallel`` (or
-``parlab.check("tensor_parallel.column_row_linear")`` in a notebook).
+Stuck? ``parlab.hint("tensor_parallel.column_row_linear")`` (in a terminal, ``parlab hint
+tensor_parallel.column_row_linear``) opens a hint, one level at a time. Grade your work with
+``parlab grade tensor_parallel`` (or ``parlab.check("tensor_parallel")`` in a notebook).
 """
 
 import torch
