@@ -74,6 +74,7 @@ def test_measure_model_state_of_a_real_adam_step():
     assert state == ModelState(params=220, grads=220, optimizer=2 * 220 + 2 * 4)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_storage_bytes_on_cuda():
     flat = torch.zeros(100, device="cuda")

@@ -139,6 +139,7 @@ def memory_with_and_without_offload(stage):
     return {offload: device_memory(stage, offload) for offload in (False, True)}
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("stage", [1, 2])

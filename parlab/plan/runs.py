@@ -3,7 +3,9 @@ declared (``parlab.emulated.ComputeTime``), wrapped in the engine of the plan's 
 ``measure``'s table, trained on the same batches as every other rank.
 
 ``train_plan(layout, B, forward_s, steps)`` is the function ``run_plan`` ships to the ranks;
-``forward_s = 0`` and no emulated link train in real time (the tests' equivalence runs).
+``forward_s = 0`` and no emulated link train in real time (the equivalence runs of the tests
+and of ``parlab doctor --gpu``), on each rank's device (``parlab.device()``: a GPU where the
+cluster places ranks on GPUs). ``one_process`` is the reference they are compared with.
 """
 
 import time
@@ -17,6 +19,8 @@ from torch import nn
 from parlab.emulated import ComputeTime
 from parlab.gpt import GPT, CharDataset, GPTConfig
 from parlab.memory import measure_model_state
+from parlab.numerics import backward_in_shards
+from parlab.runtime import device as rank_device
 
 CONFIG = GPTConfig(L=4)
 LR = 1e-3
@@ -29,23 +33,51 @@ def train_plan(layout, B, forward_s, steps):
     step times (the first dropped), its model-state bytes in the last step, read when the
     gradients are synchronized, before the optimizer's step (all model states alive; Adam's
     step counters, 4 bytes per parameter tensor, left out), and the full batch's mean loss
-    at every step (the same on every rank)."""
+    at every step (the same on every rank). On a GPU also ``peak_bytes``, the most memory the
+    rank's process held at once (``torch.cuda.max_memory_allocated``); None on a CPU."""
     N_d, t, K, zero, b, M, recompute = layout
+    device = rank_device()
     torch.manual_seed(0)
-    gpt = GPT(CONFIG)
+    gpt = GPT(CONFIG).to(device)
     data, generator = CharDataset(), torch.Generator().manual_seed(0)
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats(device)
     step = _engine(gpt, N_d, t, K, zero, M, recompute, forward_s)
     times, losses = [], []
     for _ in range(steps + 1):
-        tokens, targets = data.batch(B, CONFIG.s, generator)
+        tokens, targets = (part.to(device) for part in data.batch(B, CONFIG.s, generator))
         dist.barrier()
         start = time.perf_counter()
         state_bytes, loss_sum = step(tokens, targets)
+        if on_gpu:
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-        losses.append(torch.tensor(float(loss_sum), dtype=torch.float64))
+        losses.append(torch.tensor(float(loss_sum), dtype=torch.float64, device=device))
     total = torch.stack(losses)
     dist.all_reduce(total)  # every sample's loss counted once, by the rank that owns it
-    return {"times": times[1:], "state_bytes": state_bytes, "losses": (total / B).tolist()}
+    return {"times": times[1:], "state_bytes": state_bytes, "losses": (total / B).tolist(),
+            "peak_bytes": torch.cuda.max_memory_allocated(device) if on_gpu else None}
+
+
+def one_process(B, steps, shards=1, order=None, device="cpu"):
+    """The reference of ``train_plan``: the full batch's mean loss (float32) before each of the
+    ``steps`` + 1 Adam steps of the small GPT in one process on ``device``. With ``shards``,
+    the gradient is computed as that many ranks do, summed in ``order`` (``parlab.numerics``'
+    yardstick runs)."""
+    torch.manual_seed(0)
+    gpt = GPT(CONFIG).to(device)
+    optimizer = torch.optim.Adam(gpt.parameters(), lr=LR)
+    data, generator = CharDataset(), torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps + 1):
+        tokens, targets = (part.to(device) for part in data.batch(B, CONFIG.s, generator))
+        with torch.no_grad():
+            losses.append(_loss(gpt(tokens), targets))
+        parts = list(zip(tokens.tensor_split(shards), targets.tensor_split(shards)))
+        backward_in_shards(lambda x, y: _loss(gpt(x), y), gpt.parameters(), parts, order)
+        optimizer.step()
+    return torch.stack(losses).cpu()
 
 
 class _Timed(nn.Module):
