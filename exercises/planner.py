@@ -1,13 +1,14 @@
 # Generated from solutions/planner.py by `python -m parlab.exercises build`.
-# Write your code where it raises NotImplementedError, then run `python -m parlab.grade planner`.
-# parlab-generated sha256=c6342c4cd92904519224ba79c354f8ade71cf3d62975bd62f76da687856e0dfb
+# Write your code where it raises NotImplementedError, then run `parlab grade planner`.
+# parlab-generated sha256=e6155191319b93ca7efe9065fd12a01ecae00de14714e560334c0ad93b4a9b54
 """Exercise: the memory one GPU of a plan holds, and a script ready for torchrun.
 
 Part 1, memory per GPU. A plan (``parlab.plan.Plan``) places N = N_d t K GPUs: N_d
 data-parallel replicas (or shards, with ZeRO) of t-way tensor-parallel, K-stage pipelines,
-each replica running M micro-batches of b samples per step, with full activation recompute
-on or off. One GPU of it holds the model states of its slice of the model and the
-activations its stage keeps for backward:
+each replica running M micro-batches of b samples per step, with activation recompute None
+(every activation kept), "selective" (the attention scores recomputed) or "full" (the whole
+layer). One GPU of it holds the model states of its slice of the model and the activations
+its stage keeps for backward:
 
     model states   the ZeRO table (lecture 04) for the Psi / (t K) parameters of one GPU's
                    slice: t splits every layer, K splits the layers into stages, and the
@@ -16,8 +17,9 @@ activations its stage keeps for backward:
     activations    Korthikanti et al.'s bytes per layer (lecture 07), for the L / K layers of
                    one stage, times the micro-batches in flight (lecture 03): 1F1B's first
                    stage has run min(K, M) forwards before its first backward. With
-                   recompute, a layer keeps only its input, and the layer being recomputed
-                   holds its full activations once more, for one micro-batch
+                   recompute, a layer keeps less (only its input, with "full"), and the
+                   layer being recomputed holds what its recompute rebuilds, for one
+                   micro-batch
 
 You compose two formulas the lectures already have; call them rather than write them again:
 
@@ -30,7 +32,7 @@ equality, on many plans of the small GPT, a 7B and a 70B model: compute them as 
 docstrings say, in that order, and the floating-point roundings agree too.
 
     from parlab.plan import Model, Plan
-    plan = Plan(N_d=8, t=8, K=10, zero=1, b=1, M=96, recompute=True)
+    plan = Plan(N_d=8, t=8, K=10, zero=1, b=1, M=96, recompute="full")
     memory_per_gpu(Model.llama2_70b(), plan) / 2**30      # GiB on each of the 640 GPUs
 
 Part 2, launching for real. ``torchrun --standalone --nproc-per-node 2 planner.py`` starts
@@ -42,9 +44,9 @@ and writes what it returns. The grader runs this file under torchrun on 2 proces
 integers too large for float32, and compares every process's sum with the sum one process
 computes.
 
-Stuck? ``parlab.hint("planner.memory_per_gpu")`` in a notebook (or ``python -m parlab.grade
---hint planner.memory_per_gpu``) opens a hint, one level at a time. Grade your work with
-``python -m parlab.grade planner`` (or ``parlab.check("planner")`` in a notebook).
+Stuck? ``parlab.hint("planner.memory_per_gpu")`` in a notebook (or ``parlab hint
+planner.memory_per_gpu`` in a terminal) opens a hint, one level at a time. Grade your work
+with ``parlab grade planner`` (or ``parlab.check("planner")`` in a notebook).
 """
 
 import argparse
@@ -83,13 +85,16 @@ def activation_bytes_per_gpu(model, plan, sequence_parallel=True):
     the sequence (Megatron's sequence parallelism).
 
     With A(kept) = ``transformer_activation_bytes(s, b, h, a, 1, kept, t, sequence_parallel)``,
-    the bytes of ONE layer for one micro-batch:
+    the bytes of ONE layer for one micro-batch, and kept = plan.recompute (None, "selective"
+    or "full": the plan and the formula use the same words):
 
-        recompute off   A(None) x L / K x min(K, M)
-        recompute on    A("full") x L / K x min(K, M)  +  A(None)
+        recompute None       A(None) x L / K x min(K, M)
+        recompute kept       A(kept) x L / K x min(K, M)  +  (A(None) - A(kept))
 
     multiplied in that order (L / K is a whole number: K divides L). min(K, M) is plan.M
-    when M < K: a stage cannot hold more micro-batches than the step has.
+    when M < K: a stage cannot hold more micro-batches than the step has. A(None) - A(kept)
+    is what the recompute rebuilds of the one layer being recomputed, for one micro-batch
+    (the part it kept is counted already).
     """
     raise NotImplementedError("activation_bytes_per_gpu is not implemented yet: a layer, x L / K, x the micro-batches in flight")
 

@@ -1,7 +1,7 @@
 """An sbatch script for SLURM that runs a training module on many nodes (lecture 08): SLURM
 gives the job its nodes, ``srun`` starts one ``torchrun`` on each, each torchrun starts one
-process per GPU, and the processes find each other at rank 0's TCPStore (the env://
-rendezvous, ``parlab.train``'s docstring).
+process per GPU, and the processes find each other at the TCPStore that the first node's
+torchrun opens (the env:// rendezvous, ``parlab.train``'s docstring).
 
     print(sbatch_script(nodes=2, gpus_per_node=4))   # or: python -m parlab.train --sbatch --nodes 2
     # save it as train.sbatch, then on the cluster's login node: sbatch train.sbatch
@@ -35,16 +35,18 @@ set -euo pipefail
 #   SLURM_NODEID        in each task that srun starts, the index of its node, 0 .. SLURM_NNODES - 1:
 #                       torchrun's --node-rank (node 0 holds rank 0).
 # What this script sets for every process:
-#   MASTER_ADDR         the host of rank 0, the first node: its TCPStore is where the ranks meet.
+#   MASTER_ADDR         the first node (it holds rank 0): its torchrun opens the TCPStore where the ranks meet.
 #   MASTER_PORT         a TCP port that is free there. This script runs on the first node, so the port
 #                       the operating system gives a socket bound to port 0 here is free there.
 export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_PORT=$(python -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
 # What torchrun sets for each process it starts, and init_process_group reads (init_method env://):
 #   WORLD_SIZE          SLURM_NNODES x {gpus_per_node} processes in all.
-#   RANK                node rank x {gpus_per_node} + LOCAL_RANK: unique in the job; rank 0 opens the TCPStore
-#                       at MASTER_ADDR:MASTER_PORT, the others connect to it, and every rank leaves its
-#                       address there until all WORLD_SIZE have come; then nccl connects them directly.
+#   RANK                node rank x {gpus_per_node} + LOCAL_RANK: unique in the job. The first node's torchrun
+#                       (its agent, not a process it starts) opens the TCPStore at MASTER_ADDR:MASTER_PORT
+#                       and sets TORCHELASTIC_USE_AGENT_STORE=True; every process, rank 0 included, connects
+#                       to it and leaves its address there until all WORLD_SIZE have come; then nccl
+#                       connects them directly.
 #   LOCAL_RANK          the index on its node, 0 .. {last_local_rank}: the GPU it drives, cuda:LOCAL_RANK.
 # The single quotes matter: $SLURM_NODEID must be read in each task on its own node, not here (where it is 0).
 srun bash -c {command}

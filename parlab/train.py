@@ -24,12 +24,16 @@ reads what torchrun sets for each process it starts:
     RANK          this process's rank among all, 0 .. WORLD_SIZE - 1
     WORLD_SIZE    the number of processes of the job, nodes x processes per node
     LOCAL_RANK    its index on its own node: the GPU it drives (cuda:LOCAL_RANK with nccl)
-    MASTER_ADDR   the host of rank 0, MASTER_PORT a free TCP port there
+    MASTER_ADDR   the first node's host, MASTER_PORT the port of the store there
 
-Rank 0 opens a TCPStore (a small key-value server) at MASTER_ADDR:MASTER_PORT; every other
-rank connects to it and the ranks exchange their addresses through it until all WORLD_SIZE
-have arrived: that is the rendezvous. Then gloo (CPU) or nccl (GPU) opens its own
-connections between the ranks and the store is only used for coordination.
+The rendezvous: a TCPStore (a small key-value server) listens at MASTER_ADDR:MASTER_PORT, the
+ranks leave their addresses there until all WORLD_SIZE have arrived, then gloo (CPU) or
+nccl (GPU) opens its own connections between the ranks and the store only coordinates. Who
+opens the store: under torchrun, the agent of the first node (torchrun itself, not a worker)
+hosts it and tells its workers TORCHELASTIC_USE_AGENT_STORE=True, so every worker, rank 0
+included, connects as a client (torch 2.13, ``torch/distributed/rendezvous.py``,
+``_create_c10d_store``); without torchrun (``a_job_of_one``, or a script given the variables by
+hand) rank 0 opens it and the others connect.
 
 ``torchrun_path`` finds torchrun and ``run_with_deadline`` runs launches side by side, killing
 what still runs at a deadline with its children: tests and graders launch with them.
@@ -155,10 +159,11 @@ def checksum(weights):
 
 @contextmanager
 def a_job_of_one():
-    """Within: what torchrun would set for a job of one process (rank 0 of 1, its store on a
-    free port of this machine), so that a plain process joins its group by the env://
-    rendezvous as torchrun's processes do, in this very process. The environment is restored
-    after (a notebook that calls ``main`` stays outside torchrun)."""
+    """Within: what torchrun would set for a job of one process (rank 0 of 1, the store on a
+    free port of this machine, opened by rank 0 itself: no agent hosts it), so that a plain
+    process joins its group by the env:// rendezvous as torchrun's processes do, in this very
+    process. The environment is restored after (a notebook that calls ``main`` stays outside
+    torchrun)."""
     job = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     saved = {name: os.environ.get(name) for name in job}
     os.environ.update(job)

@@ -57,9 +57,9 @@ def test_at_least_ten_plans_cover_every_engine_of_the_table():
     chosen = measure.predicted_plans()
     assert len(chosen) >= 10 and len(set(chosen)) == len(chosen)
     kinds = {(p.t > 1, p.K > 1, p.zero, p.M > 1, p.recompute) for p in chosen}
-    for kind in [(False, False, zero, False, False) for zero in (0, 1, 3)] + [
-            (False, False, 0, True, False), (False, False, 2, True, False), (False, False, 0, False, True),
-            (True, False, 0, False, False), (True, False, 0, False, True), (False, True, 0, True, False)]:
+    for kind in [(False, False, zero, False, None) for zero in (0, 1, 3)] + [
+            (False, False, 0, True, None), (False, False, 2, True, None), (False, False, 0, False, "full"),
+            (True, False, 0, False, None), (True, False, 0, False, "full"), (False, True, 0, True, None)]:
         assert kind in kinds, kind
     assert all(measure.runnable(p) is None for p in chosen)
     assert not any(p.offload or p.shard_group for p in chosen)  # what the engines run, nothing else
@@ -111,9 +111,10 @@ def test_compute_time_is_an_identity_without_parameters():
 
 
 @pytest.mark.parametrize("layout, match", [
-    ((2, 2, 2, 0, 2, 2, False), "tensor and pipeline"),
-    ((2, 2, 1, 1, 8, 1, False), "ZeRO 0 with one micro-batch"),
-    ((1, 1, 4, 1, 2, 8, False), "pipeline plans run ZeRO 0"),
+    ((2, 2, 2, 0, 2, 2, None), "tensor and pipeline"),
+    ((2, 2, 1, 1, 8, 1, None), "ZeRO 0 with one micro-batch"),
+    ((1, 1, 4, 1, 2, 8, None), "pipeline plans run ZeRO 0"),
+    ((4, 1, 1, 0, 4, 1, "selective"), "planned, not run"),
 ])
 def test_a_plan_it_cannot_build_is_refused_with_the_reason(layout, match):
     plan = Plan(*layout)
@@ -124,11 +125,11 @@ def test_a_plan_it_cannot_build_is_refused_with_the_reason(layout, match):
 
 def test_bad_arguments_are_explained_before_any_rank_starts():
     with pytest.raises(ValueError, match="must be a parlab.plan.Plan"):
-        run_plan((4, 1, 1, 0, 4, 1, False))
+        run_plan((4, 1, 1, 0, 4, 1, None))
     with pytest.raises(ValueError, match="steps"):
         run_plan(measure.predicted_plans()[0], steps=0)
     with pytest.raises(ValueError, match="is not a plan of 4 ranks"):
-        measure.check_plans(layouts=[(3, 1, 1, 0, 4, False)])
+        measure.check_plans(layouts=[(3, 1, 1, 0, 4, None)])
 
 
 def test_each_plan_carries_the_prediction_the_run_is_costed_by():

@@ -4,6 +4,7 @@ sentence; "run this plan" runs the chosen plan on emulated ranks (for the small 
 shows it beside the prediction; the predicted-vs-measured chart and text show each run."""
 
 import sys
+from dataclasses import replace
 
 import matplotlib
 import pytest
@@ -34,12 +35,15 @@ def test_the_points_are_the_fastest_plans_time_and_memory(every):
     assert "5 fastest plans on 64 x 8 A100 80 GB" in ax.get_title()
 
 
-def test_each_point_names_its_plan_offload_and_shard_group_included():
-    four_nodes = Cluster.dgx_a100(4)
-    every = plans(SEVENTY_B, Batch(1024), four_nodes)
-    accepted = [p for p in every if not p.rejected][:8]
-    labels = [text.get_text() for text in plot_plans(every, four_nodes, n=8).texts]
-    assert labels[0] == f"{accepted[0].N_d}x8x2 Z2 off" and accepted[0].offload  # the 70B on 4 nodes offloads
+def test_each_point_names_its_plan_recompute_offload_and_shard_group_included():
+    node, four_nodes = Cluster.dgx_a100(1), Cluster.dgx_a100(4)
+    every = plans(SEVENTY_B, Batch(1024), node)
+    best = next(p for p in every if not p.rejected)
+    labels = [text.get_text() for text in plot_plans(every, node, n=8).texts]
+    assert best.offload and best.recompute == "selective"  # the 70B on one node: offloaded and recomputed
+    assert labels[0] == f"{best.N_d}x{best.t}x{best.K} Z{best.zero} sel off"
+    full = next(p for p in every if not p.rejected and p.recompute == "full")
+    assert plot_plans([full], node).texts[0].get_text().endswith(" rc off")
     hybrid = next(p for p in plans(Model.small_gpt(), Batch(512), four_nodes) if p.shard_group and not p.rejected)
     assert f"Z3 S={hybrid.shard_group}" in plot_plans([hybrid], four_nodes).texts[0].get_text()
 
@@ -56,8 +60,9 @@ def test_a_small_model_is_drawn_in_mib_without_flattening_it_under_the_gpu_line(
 
 
 def test_with_nothing_accepted_the_chart_says_why():
-    every = plans(SEVENTY_B, Batch(1536), Cluster.dgx_a100(1))
-    ax = plot_plans(every, Cluster.dgx_a100(1))
+    small_host = replace(Cluster.dgx_a100(1), host_memory=2**40)  # the DGX A100 320GB's 1 TB: the 70B does not fit
+    every = plans(SEVENTY_B, Batch(1536), small_host)
+    ax = plot_plans(every, small_host)
     assert points(ax) == {}
     [text] = ax.texts
     assert f"no plan accepted ({len(every)} rejected)" in text.get_text() and "does not fit" in text.get_text()
@@ -103,7 +108,11 @@ def test_the_widget_answers_its_controls():
     assert (image.value, table.value) == (picture, text) and status.value.endswith("50 GB/s between nodes.")
     picture = image.value
     chosen.value, batch.value = "70B", 1536
-    assert image.value != picture and "does not fit" in table.value  # one node cannot hold the 70B
+    hosted = plans(SEVENTY_B, Batch(1536), cluster_of(8, 1, 80, intra.value, inter.value))[0]
+    assert image.value != picture and hosted.offload  # one node holds the 70B only offloaded to its host
+    assert table.value.splitlines()[1].split()[:3] == [str(hosted.N_d), str(hosted.t), str(hosted.K)]
+    memory.value = 16
+    assert "does not fit" in table.value  # nor with GPUs of 16 GiB
     machines.value = 64
     assert "accepted" in table.value
     per_node.value = 1

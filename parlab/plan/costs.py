@@ -10,17 +10,24 @@ Memory per GPU (``plan_memory``), each term from the lecture that owns it:
                    parlab.zero.formulas.offload_state_bytes (parameters, stage 1's
                    gradients); the host keeps the shard's master copy, gradient and
                    optimizer state (``Memory.host``), and a node's host memory holds its GPUs'
-    activations    korthikanti_bytes(s, b, h, a, t, sequence_parallel, recompute)        lecture 07
-                   x L / K layers x min(K, M) micro-batches in flight                      lecture 03
-                   (1F1B's first stage holds K; with recompute, plus one layer's full
-                   activations while it is recomputed)
+    activations    transformer_activation_bytes(s, b, h, a, 1, recompute, t, sequence_parallel)
+                   x L / K layers x min(K, M) micro-batches in flight           lectures 07, 03
+                   (1F1B's first stage holds K), with recompute None (every activation kept,
+                   attention scores too), "selective" (the attention scores recomputed, as
+                   Korthikanti et al. 2022 do; flash attention never stores them either) or
+                   "full" (only each layer's input kept); with recompute, plus what it rebuilds
+                   of the one layer being recomputed, A(None) - A(recompute), for one micro-batch
 
 Step time (``plan_time``), in seconds:
 
-    compute   6 Psi B s FLOPs (8 Psi B s with recompute: a second forward) / (N peak efficiency)
-    tensor    ((4 + 2 recompute) L / K + e) M ring all-reduces of b s h 16-bit values on t
+    compute   6 Psi B s FLOPs / (N peak efficiency); full recompute: 8 Psi B s (a second
+              forward); selective: 6 Psi B s + 4 B s^2 h L (the attention scores' two matrix
+              products again, Q K^T and scores x V, 2 s^2 h FLOPs each per layer and sample: one
+              forward's share of Narayanan et al. 2021 Eq. 3's s / 6h term)
+    tensor    ((4 + 2 full) L / K + e) M ring all-reduces of b s h 16-bit values on t
               ranks: 2 in forward, 2 in backward per layer (Megatron's f and g), 2 more when
-              the forward is recomputed; e = 2 (1 on a stage of a pipeline: the first or the
+              the whole forward is recomputed (selective recompute stays inside a rank's
+              heads and sends nothing); e = 2 (1 on a stage of a pipeline: the first or the
               last) for the embedding's g and the head's f; with sequence parallelism the
               all-gather and reduce-scatter that replace each all-reduce move the same bytes
     pipeline  2 M messages of b s h / t 16-bit values (b s h without sequence parallelism)
@@ -55,8 +62,10 @@ master copy among them with mixed precision) and the shard's parameters and grad
 
 Left out: the embedding and output layers' activations and their uneven stages (Psi is split
 evenly over K stages), the logits, stage 3's gathered layer, buffers and fragmentation,
-stage 3's offload (ZeRO-Infinity), interleaved schedules; activations are the paper's 16-bit values and 1-byte masks
-whatever ``precision`` says of the model states.
+stage 3's offload (ZeRO-Infinity), interleaved schedules, the attention scores' own FLOPs
+(4 B s^2 h L a pass, Eq. 3's s / 6h term: only the pass selective recompute adds is
+counted); activations are the paper's 16-bit values and 1-byte masks whatever ``precision``
+says of the model states.
 """
 
 import math
@@ -110,7 +119,7 @@ class StepTime(NamedTuple):
 def plan_memory(model, plan, precision=MIXED_ADAM, sequence_parallel=True):
     """``Memory`` of one GPU of ``plan`` (a ``Plan``; its estimates are not read), by the
     module docstring's formula, e.g. ``plan_memory(model, Plan(8, 1, 1, zero=1, b=4, M=2,
-    recompute=False))``."""
+    recompute=None))``."""
     N_d, t, K, zero, b, M, recompute = _layout(model, plan)
     host = None
     if plan.offload:
@@ -118,11 +127,12 @@ def plan_memory(model, plan, precision=MIXED_ADAM, sequence_parallel=True):
                                            _offload_element_bytes(precision))
     else:  # HYBRID_SHARD shards over its group of S, replicated N_d / S times
         states = model_state_bytes(model.psi / (t * K), zero, plan.shard_group or N_d, *precision)
-    layer = transformer_activation_bytes(model.s, b, model.h, model.a, 1, "full" if recompute else None, t,
-                                         sequence_parallel)
-    activations = layer * (model.L // K) * min(K, M)
-    if recompute:
-        activations += transformer_activation_bytes(model.s, b, model.h, model.a, 1, None, t, sequence_parallel)
+    def layer(kept):  # one layer, one micro-batch
+        return transformer_activation_bytes(model.s, b, model.h, model.a, 1, kept, t, sequence_parallel)
+
+    activations = layer(recompute) * (model.L // K) * min(K, M)
+    if recompute:  # the layer being recomputed holds what its recompute rebuilds
+        activations += layer(None) - layer(recompute)
     return Memory(states, activations, host)
 
 
@@ -136,12 +146,15 @@ def plan_time(model, batch, cluster, plan, precision=MIXED_ADAM, efficiency=0.5,
     ``bucket_bytes``: the gradients' last bucket, whose collective backward cannot hide."""
     N_d, t, K, zero, b, M, recompute = _layout(model, plan)
     N, s, h = cluster.gpus, model.s, model.h
-    compute = (8 if recompute else 6) * model.psi * batch.B * s / (N * cluster.peak_flops * efficiency)
+    flops = {None: 6 * model.psi * batch.B * s, "full": 8 * model.psi * batch.B * s,
+             "selective": 6 * model.psi * batch.B * s + 4 * batch.B * s * s * h * model.L}[recompute]
+    compute = flops / (N * cluster.peak_flops * efficiency)
+    forward = 2 * model.psi * batch.B * s / (N * cluster.peak_flops * efficiency)
     tensor = 0.0
     if t > 1:
         link = cluster.intra if cluster.within_node(t) else cluster.inter
         ends = 2 if K == 1 else 1  # the embedding's and the head's collectives, on the first and last stage
-        all_reduces = ((6 if recompute else 4) * (model.L // K) + ends) * M
+        all_reduces = ((6 if recompute == "full" else 4) * (model.L // K) + ends) * M
         tensor = all_reduces * cost_model("ring", b * s * h * activation_bytes, t, link.latency, 1 / link.bandwidth)
     pipeline = 0.0
     if K > 1:
@@ -149,13 +162,16 @@ def plan_time(model, batch, cluster, plan, precision=MIXED_ADAM, efficiency=0.5,
         pipeline = 2 * M * link.time(b * s * h * activation_bytes / (t if sequence_parallel else 1))
     busy = compute + tensor + pipeline
     idle = bubble_formula(K, M)
-    data = _exposed_data_seconds(model, cluster, precision, plan, compute, zero in overlapped, bucket_bytes)
+    data = _exposed_data_seconds(model, cluster, precision, plan, compute, compute - forward, zero in overlapped,
+                                 bucket_bytes)
     return StepTime(compute, tensor, pipeline, busy * idle / (1 - idle), data,
                     _offload_seconds(model, cluster, precision, plan) if plan.offload else 0.0)
 
 
-def _exposed_data_seconds(model, cluster, precision, plan, compute, overlaps, bucket_bytes):
-    N_d, t, K, zero, M, recompute = plan.N_d, plan.t, plan.K, plan.zero, plan.M, plan.recompute
+def _exposed_data_seconds(model, cluster, precision, plan, compute, backward, overlaps, bucket_bytes):
+    """The data axis's seconds not hidden: ``backward`` is backward's share of ``compute``,
+    its recomputed forward included."""
+    N_d, t, K, zero, M = plan.N_d, plan.t, plan.K, plan.zero, plan.M
     if N_d == 1:
         return 0.0
     if plan.shard_group:
@@ -166,7 +182,6 @@ def _exposed_data_seconds(model, cluster, precision, plan, compute, overlaps, bu
         one_micro_batch = ring_communication_seconds([padded], N_d, precision.grad_bytes, zero, link.latency,
                                                      link.bandwidth)
         seconds = one_micro_batch * {0: 1, 1: 1, 2: (M + 1) / 2, 3: M}[zero]
-    backward = compute * (6 / 8 if recompute else 4 / 6)  # backward's share, its re-forward included
     if not overlaps:
         return seconds
     hidden_behind = {0: backward / M, 1: backward / M, 2: backward, 3: compute}[zero]

@@ -17,7 +17,10 @@ Presets, with what they leave out:
   port per GPU between nodes (10 us + bytes / 25 GB/s): the machines of Narayanan et al.
   2021 (Megatron-LM). The latencies are round figures, not measurements; so are the offload
   figures (``HOST_LINK``: PCIe 4.0 x16, 10 us + bytes / 25 GB/s; ``HOST_UPDATE_RATE``: 1.25e8
-  parameters/s per GPU; ``HOST_MEMORY``: 1 TiB per node).
+  parameters/s per GPU). ``HOST_MEMORY`` is NVIDIA's: the DGX A100 640GB (the one with 80 GB
+  GPUs) ships with 2 TB of system memory, 32 DIMMs of 64 GB (the DGX A100 User Guide's
+  component table, "1 TB per 16 DIMMs"; the 320GB model has 1 TB). DRAM is sized in binary
+  units, so 2 TB is 2 TiB = 2048 GiB.
 """
 
 import numbers
@@ -28,10 +31,10 @@ from parlab.runtime import Link
 
 GIB = 2**30
 # Offload (round figures, not measurements): PCIe 4.0 x16 between a GPU and its host, a node's
-# CPUs stepping Adam at about 1e9 parameters/s shared by its 8 GPUs, a DGX A100's 1 TB of RAM.
+# CPUs stepping Adam at about 1e9 parameters/s shared by its 8 GPUs.
 HOST_LINK = Link(latency=10e-6, bandwidth=25e9)
 HOST_UPDATE_RATE = 1.25e8
-HOST_MEMORY = 1024 * GIB
+HOST_MEMORY = 32 * 64 * GIB  # a DGX A100 640GB's 2 TB: 32 DIMMs of 64 GiB (module docstring)
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,7 @@ class Cluster:
         real_number("host_update_rate", self.host_update_rate, "give the parameters per second the host's optimizer "
                     "steps for one GPU, e.g. 1.25e8.", above=True)
         real_number("host_memory (bytes per node)", self.host_memory, "give a node's host memory in bytes, e.g. "
-                    "2**40.", above=True)
+                    "2**41.", above=True)
         for name in ("intra", "inter", "host"):
             if not isinstance(getattr(self, name), Link):
                 raise ValueError(f"Cluster({name}=...) must be a parlab.Link, got {getattr(self, name)!r}: "

@@ -53,9 +53,10 @@ LINK = Link(latency=100e-6, bandwidth=10e6)
 PEAK_FLOPS = 0.5e9
 BATCH = Batch(16, b=(2, 4, 8, 16))
 # (N_d, t, K, ZeRO, b, recompute): every engine of the table, with and without accumulation and recompute
-LAYOUTS = ((4, 1, 1, 0, 4, False), (4, 1, 1, 0, 2, False), (4, 1, 1, 0, 4, True), (4, 1, 1, 1, 4, False),
-           (4, 1, 1, 2, 2, False), (4, 1, 1, 3, 4, False), (1, 4, 1, 0, 16, False), (2, 2, 1, 0, 8, False),
-           (2, 2, 1, 0, 8, True), (1, 4, 1, 0, 16, True), (1, 1, 4, 0, 2, False), (2, 1, 2, 0, 2, False))
+LAYOUTS = ((4, 1, 1, 0, 4, None), (4, 1, 1, 0, 2, None), (4, 1, 1, 0, 4, "full"), (4, 1, 1, 1, 4, None),
+           (4, 1, 1, 2, 2, None), (4, 1, 1, 3, 4, None), (1, 4, 1, 0, 16, None), (2, 2, 1, 0, 8, None),
+           (2, 2, 1, 0, 8, "full"), (1, 4, 1, 0, 16, "full"), (1, 1, 4, 0, 2, None), (2, 1, 2, 0, 2, None))
+ENGINE_RECOMPUTE = (None, "full")  # the engines checkpoint whole layers (torch.utils.checkpoint) or nothing
 
 
 class Measured(NamedTuple):
@@ -98,6 +99,9 @@ def runnable(plan):
         return "tensor-parallel plans run ZeRO 0 with one micro-batch per replica (b = B / N_d) here."
     if plan.K > 1 and (plan.zero or plan.recompute):
         return "pipeline plans run ZeRO 0 without recompute here."
+    if plan.recompute not in ENGINE_RECOMPUTE:
+        return (f"recompute={plan.recompute!r} is planned, not run: the engines here recompute whole layers "
+                "(\"full\") or nothing (None).")
     return None
 
 
@@ -112,7 +116,7 @@ def predicted_plans(batch=BATCH, cluster=None, layouts=LAYOUTS):
     cluster = cluster or emulated_cluster()
     every = {(p.N_d, p.t, p.K, p.zero, p.b, p.recompute): p
              for p in plans(model(), batch, cluster, FP32_ADAM, efficiency=1.0, max_bubble=1.0, reserve=0,
-                            offload=(False,), hybrid=False)}  # the engines run neither
+                            offload=(False,), hybrid=False, recompute=ENGINE_RECOMPUTE)}  # what the engines run
     chosen = []
     for layout in layouts:
         if layout not in every:

@@ -7,7 +7,15 @@ pipeline t N_d K.
 A group whose span divides the GPUs of a node lies inside one node and talks over the
 ``intra`` link; otherwise its slowest hop is the ``inter`` link. The rest of a plan: the ZeRO
 stage of the data axis (0 to 3), the micro-batch size b (M = B / (N_d b) micro-batches per
-replica, one after another on a stage) and full activation recompute, on or off.
+replica, one after another on a stage) and activation recompute: None (every activation kept,
+the attention scores too), "selective" (the attention scores recomputed in backward, Korthikanti
+et al. 2022; the memory of flash attention, which never stores them) or "full" (each layer's
+forward run again, only its input kept), the words of ``parlab.memory.transformer_activation_bytes``.
+
+The planner asks M >= K of a pipeline: fewer micro-batches than stages leave stages idle for
+most of the step. That is this planner's rule, not 1F1B's: Megatron-LM's non-interleaved 1F1B
+runs M < K with a warm-up of min(K - rank - 1, M) forwards and a larger bubble
+(``megatron/core/pipeline_parallel/schedules.py``, ``forward_backward_pipelining_without_interleaving``).
 
 What a plan costs, memory per GPU and step time, is ``parlab.plan.costs``'s (its docstring
 has the formulas). ZeRO-Offload (stages 1 and 2) is a further choice of a plan: ``offload``.
@@ -30,12 +38,14 @@ from parlab.plan.costs import Memory, StepTime, plan_memory, plan_time
 from parlab.plan.inputs import GIB, Batch, Cluster, Model
 
 RESERVE = 0.1  # the share of a GPU's memory no plan may use (module docstring)
+RECOMPUTE = (None, "selective", "full")  # what a layer keeps for backward (module docstring)
 
 
 @dataclass(frozen=True)
 class Plan:
     """One placement: degrees ``N_d``, ``t``, ``K``, ZeRO stage ``zero``, micro-batch ``b`` and
-    ``M`` micro-batches per replica, ``recompute`` on or off; its ``memory`` and ``time`` (None
+    ``M`` micro-batches per replica, ``recompute`` (None, "selective" or "full"); its ``memory``
+    and ``time`` (None
     when the plan cannot be built), the ``reasons`` it is rejected, as sentences, and
     ``offload`` (ZeRO-Offload of the optimizer's shard to the host, stages 1 and 2) and
     ``shard_group`` (S: stage 3 as FSDP's HYBRID_SHARD, sharded within the data ranks of a
@@ -47,12 +57,17 @@ class Plan:
     zero: int
     b: int
     M: int | None
-    recompute: bool
+    recompute: str | None
     memory: Memory | None = None
     time: StepTime | None = None
     reasons: tuple = ()
     offload: bool = False
     shard_group: int | None = None
+
+    def __post_init__(self):
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}: None keeps every "
+                             "activation, \"selective\" recomputes the attention scores, \"full\" the whole layer.")
 
     @property
     def rejected(self):
@@ -60,7 +75,7 @@ class Plan:
 
     def __str__(self):
         layout = (f"N_d={self.N_d} t={self.t} K={self.K} ZeRO-{self.zero} b={self.b} M={self.M} "
-                  f"recompute {'on' if self.recompute else 'off'}" + (" offload" if self.offload else "")
+                  f"recompute {self.recompute or 'off'}" + (" offload" if self.offload else "")
                   + (f" HYBRID_SHARD S={self.shard_group}" if self.shard_group else ""))
         if self.memory is None:
             return f"{layout}: {' '.join(self.reasons)}"
@@ -69,13 +84,15 @@ class Plan:
 
 
 def plans(model, batch, cluster, precision=MIXED_ADAM, efficiency=0.5, sequence_parallel=True, max_bubble=0.5,
-          tensor_across_nodes=False, zero_stages=STAGES, reserve=RESERVE, offload=(False, True), hybrid=True):
+          tensor_across_nodes=False, zero_stages=STAGES, reserve=RESERVE, offload=(False, True), hybrid=True,
+          recompute=RECOMPUTE):
     """Every plan over N_d x t x K = N, each ZeRO stage of ``zero_stages``, each micro-batch
-    size of ``batch``, recompute off/on, (at stages 1 and 2) each of ``offload`` and (at stage
+    size of ``batch``, each of ``recompute``, (at stages 1 and 2) each of ``offload`` and (at stage
     3, with ``hybrid``, where the data group spans nodes) HYBRID_SHARD within a node: the
     accepted ones first, fastest first (then least memory), then the rejected ones in the
     order they were enumerated. A plan is rejected when it cannot be built (t does not divide
-    a, K does not divide L, B does not split, M < K), when its tensor group spans nodes
+    a, K does not divide L, B does not split, M < K: the planner's rule, module docstring), when
+    its tensor group spans nodes
     (unless ``tensor_across_nodes``), when it does not fit in the GPU's memory less
     ``reserve`` (a share of it kept free, module docstring) or its host states in the node's
     host memory, or when its bubble is above ``max_bubble``. ``efficiency``: the share of
@@ -89,10 +106,13 @@ def plans(model, batch, cluster, precision=MIXED_ADAM, efficiency=0.5, sequence_
                          "parlab.memory.MIXED_ADAM (kappa = 12, 2-byte parameters and gradients) or FP32_ADAM.")
     for stage in zero_stages:
         check_stage(stage)
+    for kind in recompute:
+        if kind not in RECOMPUTE:
+            raise ValueError(f"recompute lists the kinds to try, each one of {RECOMPUTE}; got {kind!r}.")
     every = [_assess(model, batch, cluster, precision, efficiency, sequence_parallel, max_bubble, tensor_across_nodes,
-                     reserve, N_d, t, K, zero, b, recompute, host, S)
+                     reserve, N_d, t, K, zero, b, kind, host, S)
              for N_d, t, K in grids(cluster.gpus) for zero in zero_stages
-             for b in batch.micro_batch_sizes for recompute in (False, True)
+             for b in batch.micro_batch_sizes for kind in recompute
              for host in (offload if zero in (1, 2) else (False,))
              for S in (None, *_hybrid_groups(cluster, N_d, t, zero, hybrid))]
     accepted = sorted((p for p in every if not p.rejected), key=lambda p: (p.time.total, p.memory.total))
@@ -119,7 +139,8 @@ def _assess(model, batch, cluster, precision, efficiency, sequence_parallel, max
     ) if failed]
     M = batch.B // (N_d * b) if not built else None
     if not built and M < K:
-        built.append(f"1F1B needs M >= K: M = {M} micro-batches cannot fill K = {K} stages; lower b or N_d.")
+        built.append(f"M = {M} micro-batches cannot fill K = {K} stages (this planner asks M >= K; 1F1B would "
+                     "run with a larger bubble): lower b or N_d.")
     if built:
         return Plan(N_d, t, K, zero, b, M, recompute, reasons=tuple(built), offload=offload, shard_group=shard_group)
     layout = Plan(N_d, t, K, zero, b, M, recompute, offload=offload, shard_group=shard_group)

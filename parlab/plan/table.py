@@ -3,7 +3,7 @@ as text, so a notebook, a test or a terminal reads them without pandas.
 
     rows = plan_table(plans(model, batch, cluster), n=5)
     print(format_table(rows))
-    plan_label(plan)           # "8x1x1 Z1 rc": a plan in a few characters
+    plan_label(plan)           # "8x1x1 Z1 rc": a plan in a few characters (rc: full recompute)
 """
 
 from parlab._checks import whole_number
@@ -15,12 +15,12 @@ COLUMNS = ("N_d", "t", "K", "ZeRO", "S", "b", "M", "recompute", "offload", "GiB"
 
 def plan_label(plan, long=False):
     """A plan in a few characters, for a chart's point or a table's row: N_d x t x K and the
-    ZeRO stage (S=: HYBRID_SHARD's shard group; rc: recompute; off: offload); ``long`` adds
-    b and M."""
+    ZeRO stage (S=: HYBRID_SHARD's shard group; rc: full recompute, sel: selective recompute;
+    off: offload); ``long`` adds b and M."""
     shard = f" S={plan.shard_group}" if plan.shard_group else ""
     micro = f" b={plan.b} M={plan.M}" if long else ""
-    return (f"{plan.N_d}x{plan.t}x{plan.K} Z{plan.zero}{shard}{micro}{' rc' if plan.recompute else ''}"
-            f"{' off' if plan.offload else ''}")
+    recompute = {None: "", "selective": " sel", "full": " rc"}[plan.recompute]
+    return f"{plan.N_d}x{plan.t}x{plan.K} Z{plan.zero}{shard}{micro}{recompute}{' off' if plan.offload else ''}"
 
 
 def plan_table(every, n=10, rejected=0):
@@ -46,7 +46,7 @@ def format_table(rows):
 def _row(plan):
     row = {"N_d": plan.N_d, "t": plan.t, "K": plan.K, "ZeRO": plan.zero, "S": plan.shard_group, "b": plan.b,
            "M": plan.M,
-           "recompute": "on" if plan.recompute else "off", "offload": "on" if plan.offload else "off",
+           "recompute": plan.recompute or "off", "offload": "on" if plan.offload else "off",
            "GiB": None if plan.memory is None else plan.memory.total / GIB,
            "step (s)": None if plan.time is None else plan.time.total}
     for term in ("compute", "tensor", "pipeline", "bubble", "data"):

@@ -23,7 +23,7 @@ NODES = (1, 2, 4, 8, 16, 32, 64)
 FIGSIZE = (7, 4)
 A100 = Cluster.dgx_a100()
 RUNS = "small GPT"  # the model "run this plan" runs (lecture 07's GPT, measure.CONFIG's size)
-TOLERANCE = 0.15  # issue 16's criterion: a measured step within 15% of the prediction
+TOLERANCE = 0.15  # the planner's acceptance criterion: a measured step within 15% of the prediction
 
 
 def plot_plans(every, cluster, n=10, ax=None):
@@ -57,7 +57,7 @@ def plot_plans(every, cluster, n=10, ax=None):
     ax.margins(x=0.12)  # room for the labels of the slowest points
     ax.set(xlabel="step time (s)", ylabel=f"memory per GPU ({unit})", ylim=(0, None),
            title=f"{len(accepted)} fastest plans on {cluster.name}\n(N_d x t x K, ZeRO stage; S=: HYBRID_SHARD, "
-                 "rc: recompute, off: offload)")
+                 "rc: full recompute, sel: selective, off: offload)")
     ax.legend(loc="lower right", fontsize=8)
     return ax
 

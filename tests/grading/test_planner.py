@@ -7,10 +7,10 @@ with t dividing a and K dividing L, every micro-batch size b of 1, 2, 4 that spl
 M = B / (N_d b), with stages with fewer micro-batches than stages added (M < K). Model
 states are graded at every ZeRO stage for mixed-precision Adam (data parallelism alone,
 then with t K > 1) and for fp32 Adam and SGD with momentum; activations without a
-pipeline, with one and with recompute, with and without sequence parallelism; the total on
-all of them. A wrong answer is compared with the classic mistakes (the model not split by
+pipeline, with one and with recompute (selective and full), with and without sequence
+parallelism; the total on all of them. A wrong answer is compared with the classic mistakes (the model not split by
 t K, a ZeRO stage's sharding misapplied, the micro-batches in flight forgotten, recompute
-without the recomputed layer, ...) and the failure names the one it matches.
+without what the recomputed layer rebuilds, ...) and the failure names the one it matches.
 
 ``torchrun_all_reduce`` is graded by running the file under ``torchrun --standalone
 --nproc-per-node 2``, once for the three tests, each process contributing an integer too
@@ -54,14 +54,14 @@ def layouts():
     return found
 
 
-def every_plan(where=lambda N_d, t, K, M: True, stages=STAGES, recompute=(False, True)):
+def every_plan(where=lambda N_d, t, K, M: True, stages=STAGES, recompute=(None, "selective", "full")):
     return [(model, Plan(N_d, t, K, zero, b, M, r)) for model, N_d, t, K, b, M in layouts() if where(N_d, t, K, M)
             for zero in stages for r in recompute]
 
 
 def describe(model, plan):
     return (f"{model.name}, N_d={plan.N_d} t={plan.t} K={plan.K} ZeRO-{plan.zero} b={plan.b} M={plan.M} "
-            f"recompute {'on' if plan.recompute else 'off'}")
+            f"recompute {plan.recompute or 'off'}")
 
 
 def first_of(variants, got):
@@ -83,17 +83,17 @@ def rounding(got, expected):
 class TestModelStateBytesPerGpu:
     @pytest.mark.points(1)
     def test_data_parallelism_replicates_or_shards_by_the_zero_stage(self, impl):
-        data_parallel = every_plan(lambda N_d, t, K, M: t == K == 1, recompute=(False,))
+        data_parallel = every_plan(lambda N_d, t, K, M: t == K == 1, recompute=(None,))
         check_model_states(impl, data_parallel, "mixed-precision Adam")
 
     @pytest.mark.points(1)
     def test_tensor_and_pipeline_parallelism_split_the_model(self, impl):
-        check_model_states(impl, every_plan(lambda N_d, t, K, M: t * K > 1, recompute=(False,)), "mixed-precision Adam")
+        check_model_states(impl, every_plan(lambda N_d, t, K, M: t * K > 1, recompute=(None,)), "mixed-precision Adam")
 
     @pytest.mark.points(1)
     def test_with_the_precision_given(self, impl):
         for name in ("fp32 Adam", "fp32 SGD with momentum"):
-            check_model_states(impl, every_plan(recompute=(False,)), name)
+            check_model_states(impl, every_plan(recompute=(None,)), name)
 
 
 def check_model_states(impl, cases, precision_name):
@@ -141,15 +141,15 @@ def model_state_mistakes(model, plan, precision):
 class TestActivationBytesPerGpu:
     @pytest.mark.points(1)
     def test_without_a_pipeline(self, impl):
-        check_activations(impl, every_plan(lambda N_d, t, K, M: K == 1, stages=(0,), recompute=(False,)))
+        check_activations(impl, every_plan(lambda N_d, t, K, M: K == 1, stages=(0,), recompute=(None,)))
 
     @pytest.mark.points(1)
     def test_the_micro_batches_in_flight_on_the_first_stage(self, impl):
-        check_activations(impl, every_plan(lambda N_d, t, K, M: K > 1, stages=(0,), recompute=(False,)))
+        check_activations(impl, every_plan(lambda N_d, t, K, M: K > 1, stages=(0,), recompute=(None,)))
 
     @pytest.mark.points(1)
     def test_with_recompute(self, impl):
-        check_activations(impl, every_plan(stages=(0,), recompute=(True,)))
+        check_activations(impl, every_plan(stages=(0,), recompute=("selective", "full")))
 
 
 def check_activations(impl, cases):
@@ -171,12 +171,13 @@ def activation_mistakes(model, plan, sequence_parallel):
     def layer(kept, t=t, sequence_parallel=sequence_parallel):
         return transformer_activation_bytes(model.s, plan.b, model.h, model.a, 1, kept, t, sequence_parallel)
 
-    kept = "full" if plan.recompute else None
+    kept = plan.recompute
     in_flight = min(K, M)
-    extra = layer(None) if plan.recompute else 0
+    extra = layer(None) - layer(kept) if kept else 0  # what the recompute rebuilds of one layer
 
     def stage(kept=kept, layers=L // K, micro_batches=in_flight, **options):
-        return layer(kept, **options) * layers * micro_batches + (layer(None, **options) if plan.recompute else 0)
+        rebuilt = layer(None, **options) - layer(kept, **options) if kept else 0
+        return layer(kept, **options) * layers * micro_batches + rebuilt
 
     mistakes = [
         (f"you forgot the micro-batches in flight on the first stage: 1F1B runs min(K, M) = {in_flight} forwards "
@@ -194,16 +195,18 @@ def activation_mistakes(model, plan, sequence_parallel):
         (f"you computed with sequence parallelism {'off' if sequence_parallel else 'on'}; pass sequence_parallel "
          "on as given", stage(sequence_parallel=not sequence_parallel) if t > 1 else None),
     ]
-    if plan.recompute:
+    if kept:
+        other = {"full": "selective", "selective": "full"}[kept]
         mistakes += [
-            ("with recompute only the layer inputs stay (recompute=\"full\"), plus one layer's full activations",
+            (f"with recompute={kept!r} a layer keeps {kept} recompute's activations, not all of them",
              stage(kept=None)),
-            ("with recompute the layer being recomputed holds its full activations once more: add one layer's "
-             "activations without recompute, for one micro-batch", stage() - extra),
-            ("the recomputed layer's full activations are held for one micro-batch at a time, not min(K, M)",
+            ("the layer being recomputed holds what its recompute rebuilds: add A(None) - A(kept) of one layer, "
+             "for one micro-batch", stage() - extra),
+            ("the layer being recomputed adds only what its recompute rebuilds, A(None) - A(kept): the part it "
+             "kept is counted already", stage() - extra + layer(None)),
+            ("the recomputed layer's activations are held for one micro-batch at a time, not min(K, M)",
              stage() + extra * (in_flight - 1) if in_flight > 1 else None),
-            ("full recompute keeps only each layer's input, not selective recompute's activations",
-             stage(kept="selective")),
+            (f"that is recompute={other!r}; the plan says {kept!r}", stage(kept=other)),
         ]
     return mistakes
 
