@@ -1,5 +1,5 @@
 # Generated from solutions/collectives.py by `python -m parlab.exercises build`.
-# Write your code where it raises NotImplementedError, then run `python -m parlab.grade collectives`.
+# Write your code where it raises NotImplementedError, then run `parlab grade collectives`.
 # parlab-generated sha256=0ab4ae95dffd687614afb7fd5d545c0978803cf9fb0825e8cf8747675429334e
 """Exercise: ring all-reduce, built from a ring reduce-scatter and a ring all-gather.
 

@@ -1,5 +1,5 @@
 # Generated from solutions/compression.py by `python -m parlab.exercises build`.
-# Write your code where it raises NotImplementedError, then run `python -m parlab.grade compression`.
+# Write your code where it raises NotImplementedError, then run `parlab grade compression`.
 # parlab-generated sha256=39866a243c0d5624a70c6a9533ac25198c995d2ed3e8672b7e82779cd9206a15
 """Exercise: gradient compression, the three ideas of lecture 05.
 

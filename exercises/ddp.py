@@ -1,5 +1,5 @@
 # Generated from solutions/ddp.py by `python -m parlab.exercises build`.
-# Write your code where it raises NotImplementedError, then run `python -m parlab.grade ddp`.
+# Write your code where it raises NotImplementedError, then run `parlab grade ddp`.
 # parlab-generated sha256=c4a9e53f6aed75a41386eead906a913d8320af7a89f90015ae28bc51ad7f71b9
 """Exercise: bucketed DDP that overlaps communication with backward, like torch's DistributedDataParallel.
 

@@ -1,5 +1,5 @@
 # Generated from solutions/pipeline.py by `python -m parlab.exercises build`.
-# Write your code where it raises NotImplementedError, then run `python -m parlab.grade pipeline`.
+# Write your code where it raises NotImplementedError, then run `parlab grade pipeline`.
 # parlab-generated sha256=c583d8592b58da0a3a870b9280e6b890cddb23d6dfe32dce63711ba1bbbb9b12
 """Exercise: the 1F1B pipeline schedule, and the work one stage does for each action.
 

@@ -1,5 +1,5 @@
 # Generated from solutions/zero.py by `python -m parlab.exercises build`.
-# Write your code where it raises NotImplementedError, then run `python -m parlab.grade zero`.
+# Write your code where it raises NotImplementedError, then run `parlab grade zero`.
 # parlab-generated sha256=281b11eac92da144e293fe199c4bd974a0c3cb594444f5c2b8d8c8cf0cc7c4e1
 """Exercise: ZeRO stages 1 and 2: shard Adam's state, then the gradients, over N_d ranks.
 

@@ -1,9 +1,11 @@
 """The ``parlab`` command.
 
-    parlab doctor                     is this machine ready for the lectures?
-    parlab bench NAME [--json] ...    measure on this machine; NAME is one of BENCHES
+    parlab grade [TOPIC[.TASK]] [--impl DIR]   grade your exercises (instructors: --json, --submissions)
+    parlab hint TOPIC.TASK [--level L]         a hint for an exercise task
+    parlab bench NAME [--json] ...             measure on this machine; NAME is one of BENCHES
+    parlab doctor                              is this machine ready for the lectures?
 
-``python -m parlab`` is the same command.
+``python -m parlab`` is the same command. Grading's commands live in ``parlab.grade.command``.
 """
 
 import argparse
@@ -22,6 +24,7 @@ from parlab.bench import (
     to_json,
     zero,
 )
+from parlab.grade import command as grading
 
 # A bench is a module of parlab.bench (see its docstring for what the module provides);
 # registering it here is all the command line needs.
@@ -45,6 +48,10 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     if args.command == "doctor":
         return doctor.run()
+    if args.command == "grade":
+        return grading.run_grade(args)
+    if args.command == "hint":
+        return grading.run_hint(args)
     bench = BENCHES[args.bench]
     result = bench.run(args)
     print(to_json(result) if args.json else bench.format_report(result))
@@ -56,14 +63,21 @@ def build_parser():
         prog="parlab", description="parlab: parallel and distributed training, built from scratch."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands.add_parser("doctor", help="check that this machine is ready for the lectures")
-    bench_parser = commands.add_parser("bench", help="measure parlab beside torch on this machine")
+    grade = commands.add_parser("grade", help=grading.GRADE_SUMMARY, description=grading.GRADE_SUMMARY)
+    grading.add_grade_arguments(grade)
+    hint = commands.add_parser("hint", help=grading.HINT_SUMMARY, description=grading.HINT_SUMMARY)
+    grading.add_hint_arguments(hint)
+    bench_parser = commands.add_parser("bench", help="Measure parlab beside torch on this machine.")
+    commands.add_parser("doctor", help="Check that this machine is ready for the lectures.")
     benches = bench_parser.add_subparsers(dest="bench", required=True, metavar="NAME")
     for name, module in BENCHES.items():
-        summary = module.__doc__.strip().splitlines()[0]
-        bench = benches.add_parser(
-            name, help=summary, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-        )
+        bench = benches.add_parser(name, help=summary(module), description=module.__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
         bench.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
         module.add_arguments(bench)
     return parser
+
+
+def summary(module):
+    """A bench's one-line help: the first paragraph of its docstring, a whole sentence."""
+    return " ".join(module.__doc__.strip().split("\n\n")[0].split())

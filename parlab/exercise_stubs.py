@@ -32,7 +32,7 @@ _DEF = re.compile(r"^(?P<indent>[ \t]*)(?:async[ \t]+)?def[ \t]+(?P<name>\w+)")
 _HASH_LINE = re.compile(r"^# parlab-generated sha256=(?P<digest>[0-9a-f]{64})$")
 _HEADER = (
     "# Generated from solutions/{topic}.py by `python -m parlab.exercises build`.\n"
-    "# Write your code where it raises NotImplementedError, then run `python -m parlab.grade {topic}`.\n"
+    "# Write your code where it raises NotImplementedError, then run `parlab grade {topic}`.\n"
     "# parlab-generated sha256={digest}\n"
 )
 _HEADER_LINES = _HEADER.count("\n")

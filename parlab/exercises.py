@@ -17,7 +17,8 @@ leaves out, at the top level of the file:
 
 one entry per graded task (``tests/grading/test_<topic>.py``), three levels each
 (``HINT_LEVELS``). ``hint("<topic>.<task>")`` prints them one level at a time, each call the
-next; ``python -m parlab.grade --hint <topic>.<task> [--level L]`` prints one from a terminal.
+next; ``parlab hint <topic>.<task> [--level L]`` prints one from a terminal. A misspelt task
+is refused naming the closest one (``refuse_name``, which grading uses too).
 
 Edited exercises are safe. A file whose text no longer matches the hash in its header was
 edited by the learner: ``build`` leaves it alone, and says so, unless ``force``.
@@ -30,6 +31,7 @@ never judges a learner's work: an edited file is set aside for the version git's
 
 import argparse
 import ast
+import difflib
 import inspect
 import subprocess
 import sys
@@ -38,7 +40,7 @@ from pathlib import Path
 from parlab.exercise_stubs import BEGIN_HINTS, END_HINTS, generate, was_edited
 
 __all__ = ["HINT_LEVELS", "ROOT", "build", "fresh", "generate", "generated_status", "hint", "hint_tasks", "hint_text",
-           "hints", "main", "stale", "status", "topics", "was_edited"]
+           "hints", "main", "refuse_name", "stale", "status", "topics", "was_edited"]
 
 # The repository: parlab is installed from it in editable mode (pip install -e .).
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,7 +114,7 @@ def hint(task, level=None, root=ROOT):
     """Print a hint for the exercise task ``task`` ("collectives.ring_reduce_scatter"), one
     level at a time: the first call in this process a nudge, the next the plan, the third a
     sketch close to the solution (``HINT_LEVELS``); later calls repeat the last. ``level``
-    (1 to 3) prints that level instead. An unknown task raises ValueError listing the tasks."""
+    (1 to 3) prints that level instead. An unknown task raises ValueError naming the closest."""
     if level is None:
         level = min(_opened.get(task, 0) + 1, len(HINT_LEVELS))
     text = hint_text(task, level, root)
@@ -159,11 +161,32 @@ def hint_tasks(root=ROOT):
     return sorted(f"{topic}.{task}" for topic in topics(root) for task in hints(topic, root))
 
 
+def refuse_name(name, tasks, kind=None):
+    """The sentence refusing ``name``, a topic or a task ("topic.task") that is none of
+    ``tasks`` (every "topic.task"): the closest name (difflib) when one is close, else the
+    tasks of its topic, or the topics. A task is compared with its topic's tasks, whose
+    shared "topic." would make any two look alike. ``kind`` is "task" or "topic" (default:
+    "task" when ``name`` has a dot)."""
+    kind = kind or ("task" if "." in name else "topic")
+    topics = sorted({task.partition(".")[0] for task in tasks})
+    topic, _, task = name.partition(".")
+    if kind == "task" and topic in topics:
+        own = [known for known in tasks if known.partition(".")[0] == topic]
+        close = difflib.get_close_matches(task, [known.partition(".")[2] for known in own], n=1)
+        if close:
+            return f"there is no task {name!r}: did you mean '{topic}.{close[0]}'?"
+        return f"there is no task {name!r}; the tasks of {topic} are: {', '.join(own)}."
+    close = difflib.get_close_matches(name, tasks if kind == "task" else topics, n=1)
+    if close:
+        return f"there is no {kind} {name!r}: did you mean {close[0]!r}?"
+    return f"there is no topic {topic!r}; the topics are: {', '.join(topics)}."
+
+
 def _hint_levels(task, root):
     topic, _, name = task.partition(".") if isinstance(task, str) else ("", "", "")
     levels = hints(topic, root).get(name) if topic in topics(root) else None
     if levels is None:
-        raise ValueError(f"there is no task {task!r}; the tasks are: {', '.join(hint_tasks(root))}.")
+        raise ValueError(refuse_name(str(task), hint_tasks(root), kind="task"))
     return levels
 
 

@@ -1,5 +1,5 @@
 """pytest plugin for graded exercises: tasks and points, the implementation under test, and
-a JSON report of every graded test for ``python -m parlab.grade``.
+a JSON report of every graded test for ``parlab grade``.
 
 Loaded by ``tests/conftest.py`` (``pytest_plugins``) and by ``parlab.grade`` (``-p``).
 A grading test file is ``tests/grading/test_<topic>.py``; one class per task:

@@ -1,10 +1,13 @@
-"""The ``parlab`` command: doctor's checks and exit code, ``bench runtime`` as a function and
-as JSON, and clear errors for bad input. Timings are checked for shape and sign only: this
-runs on shared, noisy machines."""
+"""The ``parlab`` command: every subcommand's help, doctor's checks and exit code, ``bench
+runtime`` as a function and as JSON, and clear errors for bad input. Timings are checked for
+shape and sign only: this runs on shared, noisy machines."""
 
+import argparse
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +21,61 @@ from parlab.bench.runtime import REFERENCE, bench_runtime, format_report
 STATUSES = {doctor.OK, doctor.PROBLEM, doctor.INFO}
 QUICK_CHECKS = [check for check in doctor.CHECKS if check is not doctor.check_all_reduce]
 TIMES = ["cluster_start_s", "cluster_median_s", "cluster_p90_s", "spawn_median_s", "ratio"]
+
+
+def subcommands(parser=None, prefix=()):
+    """Every command line that has a parser of its own: (), ("grade",), ("bench", "ddp"), ..."""
+    parser = parser or cli.build_parser()
+    found = [prefix]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                found += subcommands(child, (*prefix, name))
+    return found
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("argv", subcommands(), ids=lambda argv: " ".join(argv) or "parlab")
+def test_every_subcommand_has_its_own_help(argv, capsys):
+    # `parlab bench compression --help` crashed: a bare % in a help string.
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*argv, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: {' '.join(['parlab', *argv])} ") and len(out.splitlines()) > 3, out
+
+
+def test_the_subcommands_are_grade_hint_bench_and_doctor():
+    assert {argv for argv in subcommands() if len(argv) == 1} == {("grade",), ("hint",), ("bench",), ("doctor",)}
+    assert {argv[1] for argv in subcommands() if argv[:1] == ("bench",) and len(argv) == 2} == set(cli.BENCHES)
+
+
+@pytest.mark.timeout(30)
+def test_every_bench_summary_is_its_docstrings_whole_first_paragraph(capsys):
+    # `parlab bench --help` cut the plan bench's summary mid-sentence: its first line.
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    listing = " ".join(capsys.readouterr().out.split())
+    for name, module in cli.BENCHES.items():
+        first_paragraph = " ".join(module.__doc__.strip().split("\n\n")[0].split())
+        assert first_paragraph.endswith("."), name
+        assert f"{name} {first_paragraph}" in listing, name
+
+
+def test_learner_facing_text_names_no_internal_issue_numbers():
+    # Help, docstrings and report headers said "issue 12's targets": say what the target is.
+    package = Path(cli.__file__).parent
+    for path in [*package.glob("bench/*.py"), *package.glob("grade/*.py"), package / "cli.py",
+                 package / "exercises.py", package / "exercise_stubs.py", package / "grading_plugin.py"]:
+        found = re.findall(r".*\b[Ii]ssues? \d+.*", path.read_text())
+        assert not found, (path, found)
+
+
+@pytest.mark.timeout(60)
+def test_python_m_parlab_grade_is_parlab_grade():
+    completed = subprocess.run([sys.executable, "-m", "parlab.grade", "--help"], capture_output=True, text=True,
+                               timeout=50)
+    assert completed.returncode == 0 and "--submissions DIR" in completed.stdout and "--hint TASK" in completed.stdout
 
 
 @pytest.mark.timeout(30)
@@ -151,6 +209,8 @@ def test_bench_runtime_json_on_stdout_progress_on_stderr(capsys):
         (["bench"], "required: NAME"),
         ([], "required: COMMAND"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["grade", "--late-penalty", "a lot"], "--late-penalty: invalid float value: 'a lot'"),
+        (["hint", "--level", "two"], "--level: invalid int value: 'two'"),
     ],
 )
 def test_bad_command_lines_exit_2_with_a_clear_message(argv, complaint, capsys):

@@ -4,9 +4,12 @@ score full marks, the stubs generated afresh zero (a learner's finished exercise
 make these tests fail), a whole-tensor exchange loses exactly the
 traffic points, a deadlocked implementation costs its points within 30 s, and classic
 mistakes (a DDP hook that all-reduces the weights, full optimizer state on every rank, a
-1F1B backward seeded with 1 instead of 1/M, ...) lose exactly their points, with a reason."""
+1F1B backward seeded with 1 instead of 1/M, ...) lose exactly their points, with a reason;
+and a class of submissions graded against their deadlines."""
 
 import contextlib
+import csv
+import json
 import os
 import re
 import shutil
@@ -18,7 +21,9 @@ import time
 
 import pytest
 
-from parlab import exercises, grade
+import parlab
+from parlab import cli, exercises, grade
+from parlab.grade import command
 from parlab.grading_plugin import failure_reason, load_implementation
 from parlab.runtime.errors import RankError, RankTimeout
 
@@ -196,12 +201,18 @@ def test_hint_prints_the_levels_in_order_then_repeats_the_last(capsys, monkeypat
     assert f"{task}, hint 1 of 3" in capsys.readouterr().out
 
 
-def test_unknown_tasks_and_levels_are_refused_with_the_choices():
-    with pytest.raises(ValueError, match=r"there is no task 'collectives\.ring'; the tasks are: "
-                                         r"async_sgd\.first_n_average, .*collectives\.ring_all_gather, "
-                                         r".*zero\.sharded_optimizer\."):
-        exercises.hint("collectives.ring")
-    with pytest.raises(ValueError, match="there is no task 'nope.task'"):
+def test_unknown_tasks_and_levels_are_refused_naming_the_closest():
+    # Before, a misspelt task listed all the tasks of every topic (22).
+    with pytest.raises(ValueError, match=r"^there is no task 'ddp\.assign_bucket': did you mean "
+                                         r"'ddp\.assign_buckets'\?$"):
+        exercises.hint("ddp.assign_bucket")
+    with pytest.raises(ValueError, match=r"^there is no task 'colectives\.ring_allreduce': did you mean "
+                                         r"'collectives\.ring_allreduce'\?$"):
+        exercises.hint("colectives.ring_allreduce")
+    with pytest.raises(ValueError, match=r"^there is no task 'zero\.xyzzy'; the tasks of zero are: "
+                                         r"zero\.reduce_scatter_gradients, zero\.sharded_optimizer\.$"):
+        exercises.hint("zero.xyzzy")  # nothing close: the tasks of its topic, not every task
+    with pytest.raises(ValueError, match="^there is no topic 'nope'; the topics are: async_sgd, collectives, "):
         exercises.hint("nope.task")
     with pytest.raises(ValueError, match=r"level must be 1 to 3, got 4: hints go from 1 \(a nudge\)"):
         exercises.hint("ddp.assign_buckets", level=4)
@@ -217,13 +228,17 @@ def test_a_hints_block_left_open_or_malformed_says_where(tmp_path):
 
 
 def test_the_terminal_prints_one_level_and_the_command_for_the_next(capsys):
-    assert grade.main(["collectives", "--hint", "ring_allreduce", "--level", "2"]) == 0
+    assert cli.main(["hint", "collectives.ring_allreduce", "--level", "2"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("collectives.ring_allreduce, hint 2 of 3 (the plan):\n")
-    assert out.endswith("Next, a sketch close to the solution: python -m parlab.grade --hint "
-                        "collectives.ring_allreduce --level 3\n")
-    assert grade.main(["--hint", "collectives.nope"]) == 2
-    assert "the tasks are: async_sgd.first_n_average, " in capsys.readouterr().err
+    assert out.endswith("Next, a sketch close to the solution: parlab hint collectives.ring_allreduce --level 3\n")
+    # python -m parlab.grade keeps its --hint, a task or a task of the topic named.
+    assert command.main(["collectives", "--hint", "ring_allreduce", "--level", "2"]) == 0
+    assert capsys.readouterr().out == out
+    assert cli.main(["hint", "collectives.nope"]) == 2
+    assert "there is no task 'collectives.nope'; the tasks of collectives are: " in capsys.readouterr().err
+    assert cli.main(["hint"]) == 0  # no task: the tasks
+    assert capsys.readouterr().out.splitlines()[1:] == [f"    {task}" for task in exercises.hint_tasks()]
 
 
 def test_each_reason_of_a_failed_task_ends_with_where_its_hints_are():
@@ -237,7 +252,7 @@ def test_each_reason_of_a_failed_task_ends_with_where_its_hints_are():
     assert '    test_c: off by one [hint: parlab.hint("ddp.assign_buckets")]\n' in table
     shared = [dict(test, passed=False, reason="no file") for test in results]
     table = grade.format_table(shared, "all topics", "exercises", grade.TERMINAL_HINT)
-    assert "every test: no file [hints: python -m parlab.grade --hint TASK, TASK a task below]\n" in table
+    assert "every test: no file [hints: parlab hint TASK, TASK a task below]\n" in table
     assert "hint" not in grade.format_table(results, "all topics", "exercises")  # no pointer asked for
 
 
@@ -281,8 +296,27 @@ def test_unknown_topics_are_refused_with_the_list_of_topics(capsys):
         exercises.build(["nope"])
     assert exercises.main(["check", "nope"]) == 2
     assert "the topics are: async_sgd, collectives" in capsys.readouterr().err
-    with pytest.raises(ValueError, match="no grading tests for 'nope'; the topics are: async_sgd, collectives"):
+    with pytest.raises(ValueError, match="^there is no topic 'nope'; the topics are: async_sgd, collectives"):
+        grade.check("nope")
+    with pytest.raises(ValueError, match="^there is no task 'nope.ring_allreduce': did you mean 'collectives.ring_all"):
         grade.check("nope.ring_allreduce")
+
+
+def test_a_misspelt_name_is_refused_with_the_closest_before_anything_runs(monkeypatch, capsys):
+    # Before, parlab.check("compression.randk") graded for 2.6 s before saying it does not exist.
+    def no_subprocess(*args, **kwargs):
+        raise AssertionError("grading started a subprocess for a name that does not exist")
+
+    monkeypatch.setattr(grade.subprocess, "Popen", no_subprocess)
+    with pytest.raises(ValueError, match=r"^there is no task 'compression\.randk': did you mean "
+                                         r"'compression\.rand_k'\?$"):
+        parlab.check("compression.randk")
+    assert capsys.readouterr().out == ""  # not even "grading ..."
+    with pytest.raises(ValueError, match=r"^there is no topic 'colectives': did you mean 'collectives'\?$"):
+        grade.run_grading("colectives")
+    assert cli.main(["grade", "compression.randk", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "error: there is no task 'compression.randk': did you mean" in captured.err
 
 
 def test_an_implementation_outside_sys_path_runs_on_the_ranks(tmp_path, cluster2):
@@ -319,7 +353,7 @@ def test_failure_reasons_are_one_line_each():
 
 
 def test_solutions_score_full_marks(capsys):
-    assert grade.main(["collectives", "--impl", str(exercises.ROOT / "solutions")]) == 0
+    assert cli.main(["grade", "collectives", "--impl", str(exercises.ROOT / "solutions")]) == 0
     table = capsys.readouterr().out
     assert "total" in table and "15 / 15  full marks" in table
 
@@ -434,7 +468,10 @@ FIRST_STUB = {
 }
 
 
-@pytest.mark.parametrize("topic", list(FIRST_STUB))
+CLASS_TOPIC = "planner"  # graded as a class below, not again here
+
+
+@pytest.mark.parametrize("topic", [topic for topic in FIRST_STUB if topic != CLASS_TOPIC])
 def test_solutions_score_full_marks_and_stubs_zero_quickly(topic, stubs):
     full, first_stub = FIRST_STUB[topic]
     assert grade.score(grade.run_grading(topic, impl=exercises.ROOT / "solutions")) == grade.Score(full, full)
@@ -445,6 +482,53 @@ def test_solutions_score_full_marks_and_stubs_zero_quickly(topic, stubs):
     for test in results:
         stub = first_stub[test["task"]]
         assert test["reason"].startswith(f"NotImplementedError: {stub} is not implemented yet"), test
+
+
+def test_a_class_is_graded_against_its_deadlines_one_report_each(tmp_path, stubs, capsys):
+    # Two students, one grading run each: alice hands in the solutions, in a folder, a day
+    # and a half late (two days: 0.25 a day takes half her points); bob hands in the stubs, a
+    # file bob.py, a day late but within the extension of the deadlines file.
+    full, first_stub = FIRST_STUB[CLASS_TOPIC]
+    deadline = 1_740_873_540  # 2025-03-01T23:59:00Z
+    hand_ins, reports = tmp_path / "hand-ins", tmp_path / "reports"
+    (hand_ins / "alice").mkdir(parents=True)
+    shutil.copy(exercises.ROOT / "solutions" / f"{CLASS_TOPIC}.py", hand_ins / "alice")
+    shutil.copy(stubs / f"{CLASS_TOPIC}.py", hand_ins / "bob.py")
+    (hand_ins / "notes.txt").write_text("not a submission")
+    os.utime(hand_ins / "alice" / f"{CLASS_TOPIC}.py", (deadline + 36 * 3600,) * 2)
+    os.utime(hand_ins / "bob.py", (deadline + 24 * 3600,) * 2)
+    (tmp_path / "extensions").write_text("# student  deadline\nbob 2025-03-03T23:59:00Z\n")
+    argv = ["grade", CLASS_TOPIC, "--submissions", str(hand_ins), "--reports", str(reports),
+            "--deadline", "2025-03-01T23:59:00Z", "--deadlines", str(tmp_path / "extensions"), "--late-penalty", "0.25"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+
+    with open(reports / "summary.csv") as file:
+        rows = {row["student"]: row for row in csv.DictReader(file)}
+    assert sorted(rows) == ["alice", "bob"]
+    assert {key: rows["alice"][key] for key in ("days_late", "earned", "possible", "score", "note")} == {
+        "days_late": "2", "earned": str(full), "possible": str(full), "score": str(full / 2),
+        "note": "late by 2 days (points x 0.5)"}
+    assert rows["alice"]["deadline"] == "2025-03-01T23:59:00+00:00"
+    assert {key: rows["bob"][key] for key in ("deadline", "days_late", "earned", "score", "note")} == {
+        "deadline": "2025-03-03T23:59:00+00:00", "days_late": "0", "earned": "0", "score": "0.0", "note": "on time"}
+    assert "late by 2 days (points x 0.5)" in printed and "reports: " in printed
+
+    alice = json.loads((reports / "alice" / "results.json").read_text())
+    assert alice["score"] == full / 2 and alice["extra_data"]["earned"] == full
+    assert {task["name"] for task in alice["tests"]} == set(first_stub)
+    assert all(task["status"] == "passed" and task["score"] == task["max_score"] for task in alice["tests"])
+    assert alice["extra_data"]["lateness"]["days_late"] == 2
+    report = (reports / "alice" / "report.txt").read_text()
+    assert report.startswith(f"{CLASS_TOPIC}: {full} / {full} points; late by 2 days") and "full marks" in report
+
+    bob = json.loads((reports / "bob" / "results.json").read_text())
+    assert bob["score"] == 0 and bob["extra_data"]["max_score"] == full
+    assert bob["execution_time"] < 30  # the stubs fail fast, as for a learner
+    for task in bob["tests"]:
+        stub = first_stub[task["name"]]
+        for test in task["extra_data"]["tests"]:
+            assert test["reason"].startswith(f"NotImplementedError: {stub} is not implemented yet"), test
 
 
 def graded_with_mistakes(topic, mistakes, directory):
@@ -469,19 +553,30 @@ def test_a_ddp_hook_that_all_reduces_the_weights_is_told_so(tmp_path):
         assert "your hook synchronises weights, not gradients" in reason, reason
 
 
-def test_one_task_is_graded_alone_and_a_broken_file_says_why_once(tmp_path, capsys):
+def test_one_task_is_graded_alone_and_a_broken_file_says_why_once_in_json_too(tmp_path, capsys):
     # (Written here rather than kept in fixtures/: a file that does not parse would trip
-    # every tool that reads the tree.)
+    # every tool that reads the tree.) One run, through `parlab grade --json --results`: the
+    # JSON on stdout, the same in the results file, the progress and the table on stderr.
     path = tmp_path / "collectives.py"
     path.write_text("def ring_allreduce(tensor)\n    return tensor\n")
-    score = grade.check("collectives.ring_allreduce", impl=tmp_path)
-    table = capsys.readouterr().out
-    assert score == grade.Score(0, 5)
+    results_file = tmp_path / "results" / "results.json"
+    argv = ["grade", "collectives.ring_allreduce", "--impl", str(tmp_path), "--json", "--results", str(results_file)]
+    assert cli.main(argv) == 1  # points missing
+    captured = capsys.readouterr()
+    table, document = captured.err, json.loads(captured.out)
     assert "collectives.ring_allreduce" in table and "ring_reduce_scatter" not in table
     assert table.count("could not be imported") == 1, table
-    assert (f"every test: {path}, line 1, could not be imported: SyntaxError: expected ':' "
-            '[hint: parlab.hint("collectives.ring_allreduce")]\n') in table
-    with pytest.raises(ValueError, match="no task 'collectives.ring'; the tasks are: collectives.ring_all_gather, "):
+    reason = f"{path}, line 1, could not be imported: SyntaxError: expected ':'"
+    assert f"every test: {reason} [hint: parlab hint collectives.ring_allreduce]\n" in table
+    assert json.loads(results_file.read_text()) == document
+    assert document["score"] == 0 and document["output"] == "collectives.ring_allreduce: 0 / 5 points"
+    assert document["extra_data"] == {"graded": "collectives.ring_allreduce", "earned": 0, "max_score": 5}
+    [task] = document["tests"]
+    assert {key: task[key] for key in ("name", "score", "max_score", "status")} == {
+        "name": "collectives.ring_allreduce", "score": 0, "max_score": 5, "status": "failed"}
+    assert task["output"] == f"5 tests: {reason} [hint: parlab hint collectives.ring_allreduce]"
+    assert [test["reason"] for test in task["extra_data"]["tests"]] == [reason] * 5
+    with pytest.raises(ValueError, match="no task 'collectives.ring'; the tasks of collectives are: collectives.ring_"):
         grade.check("collectives.ring", impl=tmp_path)
 
 

@@ -1,22 +1,26 @@
 """Grade exercises: run the grading tests in a subprocess and print a points table.
 
-    python -m parlab.grade [TOPIC[.TASK]] [--impl DIR]   every topic when none is named
-    parlab.check("collectives.ring_allreduce")           the same from a notebook cell
-    python -m parlab.grade --hint TOPIC.TASK [--level L] a hint for a task (parlab.hint in a notebook)
+    parlab grade [TOPIC[.TASK]] [--impl DIR]      every topic when none is named
+    parlab hint TOPIC.TASK [--level L]            a hint for a task, one level at a time
+    parlab.check("collectives.ring_allreduce")    grading from a notebook cell (parlab.hint for hints)
 
 ``--impl`` is the directory whose ``<topic>.py`` is graded: ``exercises`` (yours, the
 default) or ``solutions``. The table has one row per task, points earned out of points
 possible, and under it one line per failed test saying why, which ends with where to get a
 hint for that task (``parlab.exercises.hint``). The exit code is 0 only with full marks.
+``python -m parlab.grade`` is the same command (``parlab.grade.command``); what instructors
+use (``--json``, the results file of an autograding platform, a class's submissions with
+deadlines) is in ``parlab.grade.reports``.
 
 The tests run in a subprocess (pytest with ``parlab.grading_plugin``), so a deadlocked or
 crashing exercise never takes the notebook kernel down with it; every graded test has a
 timeout, and a task whose first test hangs, raises NotImplementedError or sends a message of
-the wrong size fails the rest at once. A line on stdout (never stderr: a notebook shows
-stderr as an error) reports each task as it finishes.
+the wrong size fails the rest at once. A misspelt topic or task is refused, naming the
+closest one, before anything starts. A line on stdout (never stderr: a notebook shows stderr
+as an error) reports each task as it finishes.
 """
 
-import argparse
+import ast
 import json
 import os
 import subprocess
@@ -26,13 +30,13 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from parlab.exercises import HINT_LEVELS, ROOT, hint_text
+from parlab.exercises import ROOT, refuse_name
 
 # The whole run; each test has its own, much shorter, timeout (see parlab.grading_plugin).
 GRADING_TIMEOUT_S = 600
 # Where the table sends a learner for a hint, from a notebook and from a terminal.
 NOTEBOOK_HINT = 'parlab.hint("{task}")'
-TERMINAL_HINT = "python -m parlab.grade --hint {task}"
+TERMINAL_HINT = "parlab hint {task}"
 
 
 @dataclass(frozen=True)
@@ -48,11 +52,21 @@ class Score:
 def check(name=None, impl="exercises", root=ROOT, hint=NOTEBOOK_HINT):
     """Grade topic ``name`` ("collectives"), one task of it ("collectives.ring_allreduce"),
     or every topic (None), printing a line per task as it finishes, then the points table,
-    whose reasons end with ``hint`` (the task in place of ``{task}``). Returns the ``Score``."""
-    print(f"grading {name or 'all topics'} on {impl} ...", flush=True)
-    results = run_grading(name, impl, root, progress=lambda line: print(line, flush=True))
-    print(format_table(results, name or "all topics", impl, hint))
-    return score(results)
+    whose reasons end with ``hint`` (the task in place of ``{task}``). Returns the ``Score``.
+    A name that is no topic or task raises ValueError naming the closest, before grading."""
+    return score(grade_and_print(name, impl, root, hint))
+
+
+def grade_and_print(name=None, impl="exercises", root=ROOT, hint=TERMINAL_HINT, file=None):
+    """What ``check`` does, printed to ``file`` (default: stdout): a line saying what is
+    graded, a line per task as it finishes, the points table. Returns the graded tests
+    (``run_grading``)."""
+    file = file or sys.stdout
+    check_name(name, root)
+    print(f"grading {name or 'all topics'} on {impl} ...", file=file, flush=True)
+    results = run_grading(name, impl, root, progress=lambda line: print(line, file=file, flush=True))
+    print(format_table(results, name or "all topics", impl, hint), file=file, flush=True)
+    return results
 
 
 def grading_topics(root=ROOT):
@@ -60,16 +74,41 @@ def grading_topics(root=ROOT):
     return sorted(path.stem[len("test_") :] for path in (Path(root) / "tests" / "grading").glob("test_*.py"))
 
 
+def grading_tasks(topic, root=ROOT):
+    """The tasks of ``topic``'s grading tests, "topic.task" in the file's order: the names
+    in its ``@pytest.mark.task(...)`` marks, read without importing the file."""
+    tree = ast.parse((Path(root) / "tests" / "grading" / f"test_{topic}.py").read_text())
+    marks = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and node.args
+             and ast.unparse(node.func) == "pytest.mark.task" and isinstance(node.args[0], ast.Constant)]
+    marks.sort(key=lambda node: node.lineno)
+    return list(dict.fromkeys(f"{topic}.{node.args[0].value}" for node in marks))
+
+
+def check_name(name, root=ROOT):
+    """Refuse, before anything runs, a ``name`` that is neither a topic with grading tests
+    nor one of their tasks: ValueError naming the closest (None, every topic, passes)."""
+    if name is None:
+        return
+    if not isinstance(name, str):
+        raise ValueError(f"name a topic or a task as text, such as 'collectives' or 'collectives.ring_allreduce', "
+                         f"not {name!r}.")
+    topic = name.partition(".")[0]
+    topics = grading_topics(root)
+    tasks = [task for known in topics for task in grading_tasks(known, root)]
+    if topic not in topics or ("." in name and name not in tasks):
+        raise ValueError(refuse_name(name, tasks))
+
+
 def run_grading(name=None, impl="exercises", root=ROOT, timeout=GRADING_TIMEOUT_S, progress=None):
     """Run the grading tests of ``name`` (topic, "topic.task" or None for all) on
     ``impl/<topic>.py``; return one dict per graded test: test, task, points, passed, reason.
-    ``progress`` is called with a line of text (task, tests and points) as each task finishes."""
+    ``progress`` is called with a line of text (task, tests and points) as each task finishes.
+    A misspelt ``name`` or a missing ``impl`` raises ValueError before pytest starts; a run
+    past ``timeout`` seconds, or one pytest could not start, raises RuntimeError."""
     root = Path(root)
+    check_name(name, root)
     topic = name.split(".")[0] if name else None
     known = grading_topics(root)
-    if topic is not None and topic not in known:
-        listed = ", ".join(known) or "none"
-        raise ValueError(f"there are no grading tests for {topic!r}; the topics are: {listed}.")
     impl_dir = _find_impl(impl, root)
     files = [f"tests/grading/test_{t}.py" for t in ([topic] if topic else known)]
     # Only the plugins grading needs: autoloading every installed one (nbval and the
@@ -146,6 +185,7 @@ def _find_impl(impl, root):
 
 
 def score(results):
+    """The ``Score`` of graded tests: the points of those passed, out of all their points."""
     return Score(
         earned=sum(test["points"] for test in results if test["passed"]),
         possible=sum(test["points"] for test in results),
@@ -166,19 +206,19 @@ def format_table(results, title, impl, hint=None):
     shared = _shared_reason(results)
     if shared and len(results) > 1:
         task = next(iter(tasks)) if len(tasks) == 1 else None
-        lines.append(f"every test: {shared}{_pointer(hint, task)}")
+        lines.append(f"every test: {shared}{hint_pointer(hint, task)}")
     lines.append(f"{'task':<{width}}points")
     for task, tests in tasks.items():
         task_score = score(tests)
         lines.append(f"{task:<{width}}{task_score.earned:g} / {task_score.possible:g}")
         if not (shared and len(results) > 1):
-            lines += _reasons(tests, _pointer(hint, task))
+            lines += reason_lines(tests, hint_pointer(hint, task))
     verdict = "  full marks" if total.full_marks else ""
     lines.append(f"{'total':<{width}}{total.earned:g} / {total.possible:g}{verdict}")
     return "\n".join(lines)
 
 
-def _reasons(tests, pointer=""):
+def reason_lines(tests, pointer=""):
     """A line per reason the failed ``tests`` give: "    test: reason" or "    3 tests: reason",
     each followed by ``pointer``."""
     named = {}
@@ -189,7 +229,7 @@ def _reasons(tests, pointer=""):
             for why, names in named.items()]
 
 
-def _pointer(hint, task):
+def hint_pointer(hint, task):
     """" [hint: parlab.hint("topic.task")]", or for a reason shared by several tasks, the form
     to use with any of them; "" without ``hint``."""
     if hint is None:
@@ -203,36 +243,3 @@ def _shared_reason(tests):
     """The reason every one of ``tests`` failed for, when they all failed for the same one."""
     reasons = {None if test["passed"] else test["reason"] for test in tests}
     return reasons.pop() if len(reasons) == 1 else None
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m parlab.grade", description=__doc__.split("\n\n")[0])
-    parser.add_argument("name", nargs="?", help='a topic ("collectives") or a task ("collectives.ring_allreduce")')
-    parser.add_argument("--impl", default="exercises", help="the folder of graded files (default: exercises)")
-    parser.add_argument("--hint", metavar="TASK", help="print a hint for TASK (topic.task, or task after a topic) "
-                        "instead of grading")
-    parser.add_argument("--level", type=int, default=1,
-                        help=f"which hint, 1 to {len(HINT_LEVELS)}: {', '.join(HINT_LEVELS)} (default: 1)")
-    args = parser.parse_args(argv)
-    try:
-        if args.hint is not None:
-            task = args.hint if "." in args.hint or not args.name else f"{args.name}.{args.hint}"
-            return print_hint(task, args.level)
-        result = check(args.name, args.impl, hint=TERMINAL_HINT)
-    except (ValueError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0 if result.full_marks else 1
-
-
-def print_hint(task, level):
-    """The terminal's form of ``parlab.hint``: hint ``level`` of ``task``, and the command
-    for the next one."""
-    print(hint_text(task, level))
-    if level < len(HINT_LEVELS):
-        print(f"\nNext, {HINT_LEVELS[level]}: {TERMINAL_HINT.format(task=task)} --level {level + 1}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
