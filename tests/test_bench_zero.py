@@ -88,7 +88,7 @@ def test_command_line_link_times_the_stages_and_counts_their_bytes(capsys):
     assert target["value"] == rows[3]["over_stage_0"]
     assert target["met"] == (abs(target["value"] / 1.5 - 1) <= 0.15)
     report = format_report(result)
-    assert "emulated: link 100 µs + bytes / (200 MB/s)" in report and "issue 12's target" in report
+    assert "emulated: link 100 µs + bytes / (200 MB/s)" in report and "target: stage 3's time over stage 0's" in report
     assert all(f"{row['engine']}  " in report for row in rows)
 
 

@@ -79,7 +79,7 @@ def add_arguments(parser):
     parser.add_argument("--compute-ms", type=positive_number, default=10.0, metavar="MS",
                         help="declared compute of a step, in ms (default 10)")
     parser.add_argument("--compressors", nargs="+", choices=list(COMPRESSORS), default=list(COMPRESSORS),
-                        metavar="NAME", help=f"default: all of {', '.join(COMPRESSORS)}")
+                        metavar="NAME", help="the compressors to run (default: all of %(choices)s)")
 
 
 def run(args):

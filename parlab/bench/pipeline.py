@@ -22,7 +22,7 @@ Two measurements on each K of ``--world-sizes``:
   form (K - 1) / (v M + K - 1) and the simulator's bubble with the link's time per message
   (t_comm = alpha + activation bytes x beta), and the allowance the yardstick of each step
   gives (twice what the machine adds per action along the critical path). With K = 4 the
-  report ends with issue 12's target: the measured bubble within 0.03 of the closed form
+  report ends with its target: the measured bubble within 0.03 of the closed form
   for M = 4, 8, 16, 32.
 """
 
@@ -62,9 +62,9 @@ SCHEDULES = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}  # name -> v, chunks 
 WARMUP_STEPS = 2  # torch infers the stage shapes in its first step; both allocate buffers
 SEED = 0
 DEFAULT_WORLD_SIZES = [2, 4]
-LINK_WORLD_SIZES = [4]  # issue 12's target is stated for K = 4
+LINK_WORLD_SIZES = [4]  # the report's target is stated for K = 4
 BUBBLE_MICROBATCHES = [4, 8, 16, 32]
-TARGET_K, TARGET_GAP = 4, 0.03  # issue 12: the measured bubble within 0.03 of the closed form at K = 4
+TARGET_K, TARGET_GAP = 4, 0.03  # the target: the measured bubble within 0.03 of the closed form at K = 4
 
 
 def add_arguments(parser):
@@ -98,7 +98,7 @@ def bench_pipeline(world_sizes=None, microbatches=8, steps=10, width=512, depth=
                    repeats=3, device="cpu", link=None, bubble_microbatches=BUBBLE_MICROBATCHES, activation_bytes=4096):
     """Step times (real time) and bubbles (on ``link``, a ``parlab.Link``, or in real time)
     of every valid schedule at every K; returns a JSON-ready dict with ``rows`` (one per
-    (K, schedule): step times), ``bubble_rows`` (one per (K, M, schedule)) and issue 12's
+    (K, schedule): step times), ``bubble_rows`` (one per (K, M, schedule)) and the report's
     ``targets``. K defaults to 2 4, with a link to 4. Progress goes to stderr."""
     world_sizes = list(world_sizes or (LINK_WORLD_SIZES if link else DEFAULT_WORLD_SIZES))
     check_arguments(device, world_sizes=world_sizes, microbatches=microbatches, steps=steps, width=width, depth=depth,
@@ -162,7 +162,7 @@ def bubble_row(measurements):
 
 
 def targets(bubble_rows):
-    """Issue 12's target, read from the bubble rows of K = 4 at M = 4, 8, 16, 32: per
+    """The report's target, read from the bubble rows of K = 4 at M = 4, 8, 16, 32: per
     schedule, the farthest measured bubble from (K - 1) / (v M + K - 1) within 0.03. A list
     of {target, value, met}; a schedule not measured at all four M is left out."""
     found = []
@@ -258,7 +258,7 @@ def _torch_runner(schedule, width, depth, inputs, targets):
 
 
 def format_report(result):
-    """The step-time table (real time), then the bubble table and issue 12's target when the
+    """The step-time table (real time), then the bubble table and its target when the
     result has bubble rows."""
     table = format_table(
         ["K", "schedule", "parlab step", "torch step", "time / torch"],
@@ -299,5 +299,5 @@ def format_bubbles(result):
         f"{result['repeats']} traced steps. simulated: the simulator with each message's link time; allowed: twice "
         f"what the yardstick step (stages {YARDSTICK_SHORTER}x shorter) adds beyond its simulation, as a "
         f"bubble\n\n{table}"
-        + ("\n\nissue 12's target:\n" + "\n".join(lines) if lines else "")
+        + ("\n\ntarget: the measured bubble against the closed form\n" + "\n".join(lines) if lines else "")
     )

@@ -1,15 +1,15 @@
-"""The planner against runs: predicted and measured step time and model-state bytes of the
-small GPT's plans on the emulated cluster of ``parlab.plan.measure``.
+"""The planner against runs: step time and model-state bytes of the small GPT's plans, predicted and measured.
 
 Each plan of ``--plans`` (indices into ``parlab.plan.measure.LAYOUTS``, default all 12: every
 engine, with and without accumulation and recompute) runs ``--steps`` steps after a warm-up
-on one cluster of 4 ranks with the emulated link and declared compute; each row gives the
-planner's step time and its terms, the measured median (each step's slowest rank), ``ratio``
-= measured / predicted (the one convention: parlab's run over the reference, here the
-planner's prediction; below 1 the run beat the prediction), and the model-state bytes,
-predicted and measured. The run's own CPU work (the ranks' real arithmetic and Python's
-messages, about 0.1 to 0.4 s a step on 2 shared cores) comes on top of the declared time:
-it is why ratios sit a little above 1 here, and why the declared device is slow.
+on the emulated cluster of ``parlab.plan.measure`` (4 ranks, its link and declared compute),
+one cluster for all; each row gives the planner's step time and its terms, the measured
+median (each step's slowest rank), ``ratio`` = measured / predicted (the one convention:
+parlab's run over the reference, here the planner's prediction; below 1 the run beat the
+prediction), and the model-state bytes, predicted and measured. The run's own CPU work (the
+ranks' real arithmetic and Python's messages, about 0.1 to 0.4 s a step on 2 shared cores)
+comes on top of the declared time: it is why ratios sit a little above 1 here, and why the
+declared device is slow.
 """
 
 import os
