@@ -33,8 +33,7 @@ def _submodules():
 
 
 def __getattr__(name):
-    # Imported on first use: `import parlab` stays quick, and `python -m parlab.grade` does
-    # not find its own module imported already (runpy warns).
+    # Imported on first use: `import parlab` stays quick (it loads neither torch nor the grader).
     if name in _submodules():
         return importlib.import_module(f"parlab.{name}")
     if name == "check":

@@ -108,3 +108,14 @@ def test_bad_class_options_are_refused_before_any_grading(tmp_path, monkeypatch,
     for argv, complaint in cases:
         assert cli.main(argv) == 2, argv
         assert complaint in capsys.readouterr().err, argv
+
+
+def test_reports_kept_among_the_submissions_are_not_a_student(tmp_path, monkeypatch):
+    monkeypatch.setattr(reports, "run_grading", lambda name, impl, root, progress: RESULTS)
+    (tmp_path / "alice").mkdir()
+    (tmp_path / "alice" / "collectives.py").write_text("")
+    for _ in range(2):  # the second run finds the first one's reports in the folder
+        summary = reports.grade_submissions("collectives", tmp_path, tmp_path / "reports", progress=lambda line: None)
+        assert [row["student"] for row in summary] == ["alice"]
+    assert summary[0]["note"] == "no deadline" and summary[0]["score"] == 3
+    assert json.loads((tmp_path / "reports" / "alice" / "results.json").read_text())["score"] == 3

@@ -184,8 +184,9 @@ def grade_submissions(name, folder, reports, deadline=None, deadlines=None, late
         raise ValueError(f"the late penalty is the fraction of the points taken per day late, from 0 to 1 "
                          f"(0.1: a tenth a day); got {late_penalty!r}.")
     deadlines = deadlines or {}
-    students = find_submissions(folder, name.partition(".")[0])
     reports = Path(reports)
+    students = {student: path for student, path in find_submissions(folder, name.partition(".")[0]).items()
+                if path.parent.resolve() != reports.resolve()}  # the reports may be kept beside the work
     reports.mkdir(parents=True, exist_ok=True)
     summary = []
     for number, (student, path) in enumerate(students.items(), start=1):
