@@ -62,7 +62,8 @@ master copy among them with mixed precision) and the shard's parameters and grad
 
 Left out: the embedding and output layers' activations and their uneven stages (Psi is split
 evenly over K stages), the logits, stage 3's gathered layer, buffers and fragmentation,
-stage 3's offload (ZeRO-Infinity), interleaved schedules, the attention scores' own FLOPs
+stage 3's offload (ZeRO-Infinity), interleaved schedules (Narayanan et al. §2.2.2: the bubble
+over v model chunks per GPU for v times the pipeline messages), the attention scores' own FLOPs
 (4 B s^2 h L a pass, Eq. 3's s / 6h term: only the pass selective recompute adds is
 counted); activations are the paper's 16-bit values and 1-byte masks whatever ``precision``
 says of the model states.
