@@ -8,12 +8,13 @@ computing, which releases the CPU, so K ranks on 2 cores take the same time as o
 and a measured bubble or overlap can be put beside the model's. On a cluster with emulated
 devices (``parlab.Devices``) the declared times are scaled by the rank's slowdown and its
 straggling steps (``parlab.runtime.emulation.compute``); otherwise they are taken as given.
+Each time is in seconds, at most ``emulation.MAX_COMPUTE_S`` seconds per call: the layer sleeps
+it for real, so a time in milliseconds given as seconds is refused rather than waited out.
 """
 
 import torch
 from torch import nn
 
-from parlab._checks import real_number
 from parlab.runtime import emulation
 
 
@@ -32,7 +33,7 @@ class SleepLayer(nn.Module):
     def __init__(self, forward_s, backward_s, weight_s=0.0):
         super().__init__()
         for name, seconds in (("forward_s", forward_s), ("backward_s", backward_s), ("weight_s", weight_s)):
-            real_number(name, seconds, "sleep times cannot be negative: give each in seconds, e.g. 0.01.")
+            emulation.declared_seconds(name, seconds)
         self.forward_s, self.backward_s, self.weight_s = forward_s, backward_s, weight_s
         self.weight = nn.Parameter(torch.zeros(()))
         self.steps = -1
@@ -58,7 +59,7 @@ class ComputeTime(nn.Module):
     def __init__(self, forward_s, backward_s):
         super().__init__()
         for name, seconds in (("forward_s", forward_s), ("backward_s", backward_s)):
-            real_number(name, seconds, "sleep times cannot be negative: give each in seconds, e.g. 0.01.")
+            emulation.declared_seconds(name, seconds)
         self.forward_s, self.backward_s = forward_s, backward_s
         self.steps = -1
 

@@ -109,8 +109,29 @@ def test_the_regime_describes_itself():
         (lambda: Devices(slowdown=[1, 3]), "dict rank -> factor"),
         (lambda: Regime(network=100e6), "parlab.Link or parlab.Nodes"),
         (lambda: emulation.compute(-1), "seconds >= 0"),
+        # Values in the wrong unit, which would otherwise sleep until the call's timeout:
+        (lambda: Link(200, 100e6), r"latency is in seconds.*got 200: 200 µs is latency=200e-6"),
+        (lambda: Link(200e-6, 100), r"bandwidth is in bytes per second.*got 100: 100 MB/s is bandwidth=100e6"),
+        (lambda: Nodes(2, FAST, Link(50, 1e9)), r"50 µs is latency=50e-6"),
+        (lambda: emulation.compute(20), r"at most 10 .*got 20: give each in seconds.*20 ms is 20e-3"),
+        (lambda: Straggler(0.5, every=4), r"Straggler factor .*at least 1 .*factor=5"),
+        (lambda: Straggler(500, every=4), r"Straggler factor .*at most 100"),
+        (lambda: Devices(slowdown={1: 300}), r"slowdown of rank 1 .*at most 100"),
+        (lambda: Devices(straggler_ranks=[1, -1]), r"straggler_ranks must list ranks"),
+        (lambda: Devices(slowdown={5: 3.0}).check_ranks(2), r"names rank 5, but the cluster has 2 ranks \(0 to 1\)"),
+        (lambda: Regime(devices=Devices(straggler=Straggler(5, every=2), straggler_ranks=(3,))).check_ranks(2),
+         r"Devices\(straggler_ranks=...\) names rank 3"),
     ],
 )
 def test_learner_errors_say_what_to_change(make, fix):
     with pytest.raises(ValueError, match=fix):
         make()
+
+
+def test_the_bounds_admit_every_link_and_device_a_lesson_declares():
+    # The slowest and fastest values the bounds allow, and the lectures' own.
+    assert Link(emulation.MAX_LATENCY_S, emulation.MIN_BANDWIDTH).time(0) == 1.0
+    assert Link(0, 1e15).describe() == "0 µs + bytes / (1e+06 GB/s)"
+    Devices(slowdown={0: 0.5, 3: 100}, straggler=Straggler(1, every=1), straggler_ranks=[0, 3]).check_ranks(4)
+    assert Devices(straggler_ranks=[2]).straggler_ranks == (2,)
+    Regime(SLOW).check_ranks(1)  # no devices: nothing to check

@@ -48,6 +48,8 @@ CASES = {
                                    r"list how many layers each stage takes"),
     "SleepLayer nan": (lambda: emulated.SleepLayer(math.nan, 0.1), r"forward_s .*give each in seconds"),
     "SleepLayer text": (lambda: emulated.SleepLayer(0.1, "0.1"), r"backward_s .*give each in seconds"),
+    "SleepLayer in ms": (lambda: emulated.SleepLayer(20, 0.01), r"forward_s .*at most 10 .*20 ms is 20e-3"),
+    "ComputeTime in ms": (lambda: emulated.ComputeTime(0.01, 50), r"backward_s .*at most 10 .*50 ms is 50e-3"),
     "executor without a schedule": (lambda: executor.PipelineExecutor("gpipe", {}, nn.functional.mse_loss),
                                     r"make_schedule\(name, K, M\)"),
     "executor with a list of stages": (lambda: executor.PipelineExecutor(SCHEDULE, [LINEAR], nn.functional.mse_loss),

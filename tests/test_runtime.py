@@ -132,6 +132,7 @@ def test_hang_becomes_rank_timeout_and_the_next_run_works(cluster2):
     assert time.monotonic() - start < 10
     assert info.value.ranks == [0] and info.value.finished == [1]
     assert "deadlock" in info.value.stuck[0] and "recv" in info.value.stuck[0]
+    assert "A send without a matching recv" in str(info.value) and "emulat" not in str(info.value)
     assert cluster2.run(all_reduce_ranks) == [1.0, 1.0]
     assert not is_alive(old_pids[0]) and cluster2.pids[1] == old_pids[1]  # only the stuck rank is replaced
 
@@ -181,6 +182,56 @@ def test_a_rank_killed_by_a_fatal_signal_leaves_its_python_stack(cluster2):
     assert cluster2.run(all_reduce_ranks) == [1.0, 1.0]
 
 
+def slow_compute_and_slow_message():
+    from parlab import p2p
+    from parlab.runtime import emulation
+
+    tensor = torch.zeros(500)  # 2000 bytes: 3 s on the link below
+    if dist.get_rank() == 0:
+        request = p2p.isend(tensor, 1)
+        emulation.compute(5.0)  # while the message travels
+        request.wait()
+    else:
+        p2p.recv(tensor, 0)  # sleeps until the message has arrived
+
+
+def test_a_timeout_in_an_emulated_sleep_says_so_and_what_was_declared(cluster2):
+    # Both ranks sleep for seconds beyond the timeout, which leaves them 1.5 s to start sleeping on a busy machine.
+    link, devices = parlab.Link(latency=1.0, bandwidth=1e3), parlab.Devices(slowdown={1: 2.0})
+    with cluster2.emulate(link=link, devices=devices), pytest.raises(parlab.RankTimeout) as info:
+        cluster2.run(slow_compute_and_slow_message, timeout=1.5)
+    heading = str(info.value).split("\n")[0]
+    assert heading.startswith(
+        "ranks 0, 1 still running after 1.5 s. In the emulation: rank 1 was sleeping in the emulated link "
+        "(declared: 1 s + bytes / (1 kB/s)); rank 0 was sleeping in an emulated device's compute (declared by a "
+        "SleepLayer, ComputeTime or emulation.compute, in seconds; rank 1 2x slower). It sleeps every declared "
+        "time for real: check that times are in seconds (200 µs is 200e-6)"
+    ), heading
+    assert "A send without a matching recv" not in heading
+    assert cluster2.run(all_reduce_ranks) == [1.0, 1.0]
+
+
+def test_a_rank_waiting_for_one_asleep_in_the_emulation_is_named_apart():
+    def dump(*frames):
+        lines = "".join(f'  File "{path}", line 1 in {function}\n' for path, function in frames)
+        return f"Current thread 0x00007f (most recent call first):\n{lines}"
+
+    sleeping = dump(("/x/parlab/runtime/emulation.py", "sleep_until"), ("/x/parlab/runtime/emulation.py", "compute"),
+                    ("<dynamic-code>", "step"))
+    waiting = dump(("/x/torch/distributed/distributed_c10d.py", "recv"), ("<dynamic-code>", "step"))
+    # sleep_until below the top of a stack is not where the rank is now
+    woke = dump(("/x/parlab/p2p.py", "wait"), ("/x/parlab/runtime/emulation.py", "sleep_until"))
+    message = str(parlab.RankTimeout(30, {2: sleeping, 0: waiting, 1: woke}, finished=[3]))
+    assert message.startswith(
+        "ranks 0, 1, 2 still running after 30 s (rank 3 finished). In the emulation: rank 2 was sleeping in an "
+        "emulated device's compute (declared by a SleepLayer, ComputeTime or emulation.compute, in seconds; devices "
+        "not emulated); ranks 0, 1 waited for them."
+    ), message
+    assert str(parlab.RankTimeout(30, {0: waiting}, finished=[1])).startswith(
+        "rank 0 still running after 30 s (rank 1 finished). A send without a matching recv"
+    )
+
+
 def test_the_rank_error_heading_leads_with_a_dead_rank():
     lost = "Traceback ...\nConnectionError: rank 0 lost its connections"
     died = "Last output of rank 2's worker:\n(none)\nrank 2's worker was killed by SIGKILL during the call"
@@ -217,6 +268,7 @@ def test_not_a_function(cluster2):
         ({"world_size": "4"}, "whole number"),
         ({"world_size": 2, "backend": "mpi"}, "unknown backend"),
         ({"world_size": 2, "device": "tpu"}, "unknown device"),
+        ({"world_size": 2, "devices": parlab.Devices(slowdown={5: 3.0})}, r"names rank 5, but the cluster has 2"),
     ],
 )
 def test_bad_arguments_are_value_errors(kwargs, message):

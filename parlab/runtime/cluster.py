@@ -60,6 +60,7 @@ class Cluster:
                  link=None, devices=None):
         self.regime = emulation.Regime(link, devices)
         self.placement = placement_rules.resolve(world_size, backend, device)
+        self.regime.check_ranks(self.placement.world_size)
         slow_start = capacity.check(self.placement.world_size)
         self.world_size = self.placement.world_size
         self.timeout = timeout
@@ -98,6 +99,7 @@ class Cluster:
         regime (``link=None, devices=None``: real time), then return to the cluster's own.
         The workers stay as they are: the regime travels with each call."""
         regime = emulation.Regime(link, devices)
+        regime.check_ranks(self.world_size)
         with self._lock:
             previous, self.regime = self.regime, regime
         try:
@@ -150,9 +152,9 @@ class Cluster:
         with self._lock:
             self._check_open()
             self._pool.wait_ready()
-            call_id = next(self._calls)
+            call_id, regime = next(self._calls), self.regime
             origin = time.perf_counter_ns()
-            self._dispatch(("run", call_id, payload, traced, self.regime))
+            self._dispatch(("run", call_id, payload, traced, regime))
             outputs = {rank: [] for rank in range(self.world_size)}
             done, dead = {}, set()
             try:
@@ -176,7 +178,7 @@ class Cluster:
             if failures:
                 raise RankError(failures, stuck, dead=dead)
             if stuck:
-                raise RankTimeout(timeout, stuck, finished=done)
+                raise RankTimeout(timeout, stuck, finished=done, regime=regime)
             events = [event for rank in range(self.world_size) for event in done[rank][2]]
             results = [_deserialise(done[rank][1], rank) for rank in range(self.world_size)]
             return results, events, origin

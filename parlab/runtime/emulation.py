@@ -26,21 +26,54 @@ time is shaped while the data still moves through real gloo:
   take declared times) sleeps instead of computing, so eight "devices" on two cores do not
   contend; ``Devices`` makes chosen ranks slower and injects stragglers.
 
+Declared values past plausible bounds (``MAX_LATENCY_S`` and the others below) are refused
+with a ValueError: the emulation sleeps every declared time for real, so a value in the wrong
+unit would otherwise only show as a call that times out.
+
 Sleeping releases the CPU. The worker asks the kernel for a timer slack of 1 µs (Linux), so
 a rank wakes within microseconds of its deadline when a core is free.
 Correctness never depends on the regime: only when things happen changes.
 """
 
 import math
+import numbers
 import random
 import time
 from dataclasses import dataclass, field
 
+# What can be declared. The emulation sleeps every declared time for real, so a value in the
+# wrong unit does not fail by itself: Link(latency=200, ...) (200 µs meant) makes every
+# message sleep 200 s, and the call waits out its timeout. Past these bounds a value is no
+# network or device a lesson models, and almost surely a unit slip; they are refused.
+MAX_LATENCY_S = 1.0  # per message; a latency above it is one in µs or ms given as seconds
+MIN_BANDWIDTH = 1e3  # bytes per second; below it a 1 MB gradient takes over 16 minutes
+# Per call of a declared compute (a layer's forward, one gradient): lessons declare
+# milliseconds, and ten seconds a call already makes one step take minutes.
+MAX_COMPUTE_S = 10.0
+MAX_FACTOR = 100.0  # how many times slower a rank or a straggling step may be
 
-def _positive_finite(name, value, unit, fix):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive number of {unit}, got {value!r}; {fix}")
+
+def _is_real(value):
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def _factor(name, value, fix, least):
+    """``value`` as a float, if it is a factor of declared time from ``least`` to MAX_FACTOR, never 0."""
+    if not _is_real(value) or not least <= value <= MAX_FACTOR or value == 0:
+        bound = f"at least {least:g}" if least else "above 0"
+        raise ValueError(f"{name} is how many times its declared time a compute takes, {bound} and at most "
+                         f"{MAX_FACTOR:g}, got {value!r}: {fix}")
     return float(value)
+
+
+def declared_seconds(name, seconds):
+    """``seconds``, if it is a compute time a device can declare: 0 to MAX_COMPUTE_S seconds
+    (``SleepLayer``, ``ComputeTime`` and ``compute`` check their times with it)."""
+    if not _is_real(seconds) or not 0 <= seconds <= MAX_COMPUTE_S:
+        slip = f" ({seconds:g} ms is {seconds:g}e-3)" if _is_real(seconds) and seconds > MAX_COMPUTE_S else ""
+        raise ValueError(f"{name} must be a number of seconds >= 0 and at most {MAX_COMPUTE_S:g} (the emulation "
+                         f"sleeps it for real), got {seconds!r}: give each in seconds, e.g. 0.01 for 10 ms{slip}.")
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -52,13 +85,20 @@ class Link:
     bandwidth: float
 
     def __post_init__(self):
-        if isinstance(self.latency, bool) or not isinstance(self.latency, (int, float)) or not (
-            math.isfinite(self.latency) and self.latency >= 0
-        ):
-            raise ValueError(
-                f"Link latency must be a number of seconds >= 0, got {self.latency!r}; e.g. latency=200e-6 for 200 µs."
-            )
-        _positive_finite("Link bandwidth", self.bandwidth, "bytes per second", "e.g. bandwidth=100e6 for 100 MB/s.")
+        latency, bandwidth = self.latency, self.bandwidth
+        if not _is_real(latency) or not (math.isfinite(latency) and latency >= 0):
+            raise ValueError(f"Link latency must be a number of seconds >= 0, got {latency!r}; e.g. latency=200e-6 "
+                             "for 200 µs.")
+        if latency > MAX_LATENCY_S:
+            raise ValueError(f"Link latency is in seconds, at most {MAX_LATENCY_S:g} s per message, got {latency!r}: "
+                             f"{latency:g} µs is latency={latency:g}e-6 (and {latency:g} ms is {latency:g}e-3).")
+        if not _is_real(bandwidth) or not (math.isfinite(bandwidth) and bandwidth > 0):
+            raise ValueError(f"Link bandwidth must be a positive number of bytes per second, got {bandwidth!r}; e.g. "
+                             "bandwidth=100e6 for 100 MB/s.")
+        if bandwidth < MIN_BANDWIDTH:
+            raise ValueError(f"Link bandwidth is in bytes per second, at least {_rate(MIN_BANDWIDTH)}, got "
+                             f"{bandwidth!r}: {bandwidth:g} MB/s is bandwidth={bandwidth:g}e6 (and {bandwidth:g} GB/s "
+                             f"is {bandwidth:g}e9).")
 
     def time(self, nbytes):
         """Seconds one message of ``nbytes`` takes: alpha + n beta."""
@@ -108,7 +148,7 @@ class Straggler:
     seed: int = 0
 
     def __post_init__(self):
-        _positive_finite("Straggler factor", self.factor, "times", "e.g. factor=5 for a step 5x slower.")
+        _factor("Straggler factor", self.factor, "e.g. factor=5 for a step 5x slower.", least=1)
         if (self.every is None) == (self.probability is None):
             raise ValueError("give a Straggler either every=k (one step in k) or probability=p, not both or neither.")
         if self.every is not None and (not isinstance(self.every, int) or self.every < 1):
@@ -120,8 +160,8 @@ class Straggler:
 @dataclass(frozen=True)
 class Devices:
     """Emulated devices: ``slowdown`` maps a rank to how many times slower it computes
-    ({2: 3.0}: rank 2 is 3x slower); ``straggler`` makes some steps slower on ``ranks``
-    (default: every rank)."""
+    ({2: 3.0}: rank 2 is 3x slower; 0.5: twice as fast); ``straggler`` makes some steps slower
+    on ``straggler_ranks`` (default: every rank). A cluster refuses ranks it does not have."""
 
     slowdown: dict = field(default_factory=dict)
     straggler: Straggler | None = None
@@ -131,11 +171,24 @@ class Devices:
         if not isinstance(self.slowdown, dict):
             raise ValueError(f"slowdown must be a dict rank -> factor, e.g. {{2: 3.0}}; got {self.slowdown!r}.")
         for rank, factor in self.slowdown.items():
-            if not isinstance(rank, int) or rank < 0:
+            if not _is_rank(rank):
                 raise ValueError(f"slowdown keys are ranks (whole numbers >= 0), got {rank!r}.")
-            _positive_finite(f"slowdown of rank {rank}", factor, "times", "e.g. {2: 3.0}: rank 2 three times slower.")
+            _factor(f"slowdown of rank {rank}", factor, "e.g. {2: 3.0}: rank 2 three times slower.", least=0)
         if self.straggler is not None and not isinstance(self.straggler, Straggler):
             raise ValueError(f"straggler must be a parlab.Straggler, got {self.straggler!r}.")
+        if self.straggler_ranks is not None:
+            ranks = self.straggler_ranks
+            if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__") or not all(map(_is_rank, ranks)):
+                raise ValueError(f"straggler_ranks must list ranks (whole numbers >= 0), e.g. (1, 3), got {ranks!r}.")
+            object.__setattr__(self, "straggler_ranks", tuple(ranks))
+
+    def check_ranks(self, world_size):
+        """Refuse a slowdown or straggler of a rank that a cluster of ``world_size`` ranks lacks."""
+        named = [("slowdown", r) for r in self.slowdown] + [("straggler_ranks", r) for r in self.straggler_ranks or ()]
+        for what, rank in named:
+            if rank >= world_size:
+                raise ValueError(f"Devices({what}=...) names rank {rank}, but the cluster has {world_size} ranks "
+                                 f"(0 to {world_size - 1}): name one of those ranks, or start a larger cluster.")
 
     def factor(self, rank, step, draw):
         """How many times its declared time a compute of ``rank`` at ``step`` takes."""
@@ -153,6 +206,10 @@ class Devices:
             when = f"one step in {s.every}" if s.every is not None else f"each step with p = {s.probability:g}"
             parts.append(f"{when} {s.factor:g}x slower")
         return ", ".join(parts) or "declared compute times"
+
+
+def _is_rank(value):
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
 
 
 def _seconds(s):
@@ -178,6 +235,11 @@ class Regime:
             raise ValueError(f"link must be a parlab.Link or parlab.Nodes, got {self.network!r}.")
         if self.devices is not None and not isinstance(self.devices, Devices):
             raise ValueError(f"devices must be a parlab.Devices, got {self.devices!r}.")
+
+    def check_ranks(self, world_size):
+        """Refuse devices declared for ranks that a cluster of ``world_size`` ranks lacks."""
+        if self.devices is not None:
+            self.devices.check_ranks(world_size)
 
     @property
     def emulated(self):
@@ -287,8 +349,7 @@ def compute_factor(step):
 def compute(seconds, step=0):
     """Emulated compute: take ``seconds`` (times this rank's slowdown and straggling at
     ``step``) without using the CPU. Outside an emulated regime it takes ``seconds``."""
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"compute needs a number of seconds >= 0, got {seconds!r}.")
+    declared_seconds("compute's seconds", seconds)
     sleep_until(now() + seconds * compute_factor(step))
 
 

@@ -34,19 +34,22 @@ class RankTimeout(TimeoutError):
 
     ``stuck`` maps each rank still running -> its Python stack at the moment of the timeout.
     Their workers are replaced and the others re-join, so the next ``run`` starts on a fresh
-    process group.
+    process group. ``regime`` is the call's ``parlab.runtime.emulation.Regime``: when a stuck
+    rank was sleeping in the emulation (its stack ends in the emulation's sleep), the message
+    says so and what was declared, instead of blaming an unmatched send or collective.
     """
 
-    def __init__(self, timeout, stuck, finished):
+    def __init__(self, timeout, stuck, finished, regime=None):
         self.timeout = timeout
         self.stuck = dict(sorted(stuck.items()))
         self.finished = sorted(finished)
         head = (
             f"{_ranks(self.stuck)} still running after {timeout:g} s"
             + (f" ({_ranks(self.finished)} finished)" if self.finished else "")
-            + ". A send without a matching recv, or a collective that not every rank calls, "
-            "waits forever; the stacks below show where each rank was. "
-            "Their workers were replaced and the others re-joined a new process group: the next run starts "
+            + ". "
+            + (_sleeping(self.stuck, regime) or "A send without a matching recv, or a collective that not every "
+               "rank calls, waits forever; the stacks below show where each rank was. ")
+            + "Their workers were replaced and the others re-joined a new process group: the next run starts "
             "fresh."
         )
         super().__init__(head + _stacks(self.stuck))
@@ -54,6 +57,43 @@ class RankTimeout(TimeoutError):
     @property
     def ranks(self):
         return list(self.stuck)
+
+
+def emulated_sleeps(stuck):
+    """rank -> "link" or "device" for each stuck rank whose stack (a faulthandler dump, most
+    recent call first) ends in the emulation's sleep: waiting out a message's declared
+    alpha + n beta (called from ``parlab.p2p``) or a declared compute (``emulation.compute``)."""
+    found = {}
+    for rank, stack in stuck.items():
+        for match in _EMULATED_SLEEP.finditer(stack):
+            found[rank] = "device" if match["caller"] == "compute" else "link"
+    return found
+
+
+def _sleeping(stuck, regime):
+    """What the ranks sleeping in the emulation were doing, with what was declared, or None."""
+    sleeping = emulated_sleeps(stuck)
+    if not sleeping:
+        return None
+    network = getattr(regime, "network", None)
+    devices = getattr(regime, "devices", None)
+    declared = {
+        "link": f"the emulated link (declared: {network.describe() if network is not None else 'no link'})",
+        "device": "an emulated device's compute (declared by a SleepLayer, ComputeTime or emulation.compute, "
+                  f"in seconds; {devices.describe() if devices is not None else 'devices not emulated'})",
+    }
+    parts = [
+        f"{_ranks(ranks)} {'was' if len(ranks) == 1 else 'were'} sleeping in {declared[kind]}"
+        for kind in ("link", "device")
+        if (ranks := [rank for rank, where in sleeping.items() if where == kind])
+    ]
+    others = [rank for rank in stuck if rank not in sleeping]
+    waiting = f"; {_ranks(others)} waited for them" if others else ""
+    return (
+        "In the emulation: " + "; ".join(parts) + waiting + ". It sleeps every declared time for real: check that "
+        "times are in seconds (200 µs is 200e-6) and bandwidths in bytes per second, or give the call a longer "
+        "timeout (run(..., timeout=s)). The stacks below show where each rank was. "
+    )
 
 
 def _ranks(ranks):
@@ -177,4 +217,9 @@ _SIZE_HINT = (
 _GLOO_SIZE_MISMATCH = re.compile(r"op\.preamble\.length <= op\.nbytes\. (?P<sent>\d+) vs (?P<expected>\d+)")
 _LAST_SENT = re.compile(r"to rank (?P<dst>\d+), (?P<numel>\d+) (?P<dtype>\w+) elements \((?P<nbytes>\d+) bytes\)")
 _P2P = re.compile(r"[/\\]parlab[/\\]p2p\.py$")  # not a learner's my_p2p.py
+# The emulation's sleep on top of a thread's stack, and the frame that called it.
+_EMULATED_SLEEP = re.compile(
+    r'most recent call first\):\n\s*File "[^"]*[/\\]parlab[/\\]runtime[/\\]emulation\.py", line \d+ in sleep_until\n'
+    r'\s*File "[^"]+", line \d+ in (?P<caller>\w+)'
+)
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<function>\w+)')
