@@ -4,7 +4,7 @@ declared (``parlab.emulated.ComputeTime``), wrapped in the engine of the plan's 
 
 ``train_plan(layout, B, forward_s, steps)`` is the function ``run_plan`` ships to the ranks;
 ``forward_s = 0`` and no emulated link train in real time (the equivalence runs of the tests
-and of ``parlab doctor --gpu``), on each rank's device (``parlab.device()``: a GPU where the
+and of ``parlab doctor --gpu``), on each rank's device (``runtime.device()``: a GPU where the
 cluster places ranks on GPUs). ``one_process`` is the reference they are compared with.
 """
 
@@ -16,11 +16,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from parlab import runtime
 from parlab.emulated import ComputeTime
 from parlab.gpt import GPT, CharDataset, GPTConfig
 from parlab.memory import measure_model_state
 from parlab.numerics import backward_in_shards
-from parlab.runtime import device as rank_device
 
 CONFIG = GPTConfig(L=4)
 LR = 1e-3
@@ -36,7 +36,7 @@ def train_plan(layout, B, forward_s, steps):
     at every step (the same on every rank). On a GPU also ``peak_bytes``, the most memory the
     rank's process held at once (``torch.cuda.max_memory_allocated``); None on a CPU."""
     N_d, t, K, zero, b, M, recompute = layout
-    device = rank_device()
+    device = runtime.device()
     torch.manual_seed(0)
     gpt = GPT(CONFIG).to(device)
     data, generator = CharDataset(), torch.Generator().manual_seed(0)
