@@ -3,7 +3,7 @@
     parlab grade [TOPIC[.TASK]] [--impl DIR]   grade your exercises (instructors: --json, --submissions)
     parlab hint TOPIC.TASK [--level L]         a hint for an exercise task
     parlab bench NAME [--json] ...             measure on this machine; NAME is one of BENCHES
-    parlab doctor                              is this machine ready for the lectures?
+    parlab doctor [--gpu]                      is this machine ready for the lectures (and its GPU)?
 
 ``python -m parlab`` is the same command. Grading's commands live in ``parlab.grade.command``.
 """
@@ -47,7 +47,7 @@ def main(argv=None):
     Bad input ends in argparse's usage message and ``SystemExit(2)``."""
     args = build_parser().parse_args(argv)
     if args.command == "doctor":
-        return doctor.run()
+        return doctor.run(gpu=args.gpu)
     if args.command == "grade":
         return grading.run_grade(args)
     if args.command == "hint":
@@ -68,7 +68,10 @@ def build_parser():
     hint = commands.add_parser("hint", help=grading.HINT_SUMMARY, description=grading.HINT_SUMMARY)
     grading.add_hint_arguments(hint)
     bench_parser = commands.add_parser("bench", help="Measure parlab beside torch on this machine.")
-    commands.add_parser("doctor", help="Check that this machine is ready for the lectures.")
+    doctor_parser = commands.add_parser("doctor", help="Check that this machine is ready for the lectures.")
+    doctor_parser.add_argument("--gpu", action="store_true",
+                               help="then the GPU check: every engine on the GPU against one process, and each "
+                                    "lecture's bench with --device cuda (a few minutes; needs CUDA)")
     benches = bench_parser.add_subparsers(dest="bench", required=True, metavar="NAME")
     for name, module in BENCHES.items():
         bench = benches.add_parser(name, help=summary(module), description=module.__doc__,

@@ -5,6 +5,7 @@ either way, such as having no GPU). The exit code is 1 if any check found a prob
 Each check is a small function returning ``(status, message)``, so it can be called alone.
 """
 
+import functools
 import os
 import platform
 import sys
@@ -153,8 +154,9 @@ CHECKS = (
 )
 
 
-def run():
-    """Run every check, printing each line as it completes; return the exit code."""
+def run(gpu=False):
+    """Run every check, printing each line as it completes, then with ``gpu`` the GPU check
+    (``parlab.device_check``); return the exit code (0: all passed)."""
     print("parlab doctor: is this machine ready for the parlab lectures?", flush=True)
     problems = 0
     for check in CHECKS:
@@ -165,6 +167,11 @@ def run():
         problems += status == PROBLEM
         print(f"{status:<8} {message}", flush=True)
     print(f"{problems} problem(s); each PROBLEM line says what to do." if problems else "All checks passed.")
+    if gpu:
+        from parlab import device_check
+
+        print("\nThe GPU check: every engine on the GPU against one process, then each lecture's bench.", flush=True)
+        return max(1 if problems else 0, device_check.run("cuda", out=functools.partial(print, flush=True)))
     return 1 if problems else 0
 
 

@@ -295,3 +295,10 @@ def test_a_notebook_progress_bar_leaves_a_line_of_text_not_a_dead_widget(monkeyp
         bar.update(3)
     assert list(shown["output"]) == ["text/plain"]
     assert shown["output"]["text/plain"].startswith("parlab bench demo: 3/3 sizes in ")
+
+
+@pytest.mark.parametrize("argv, gpu", [(["doctor"], False), (["doctor", "--gpu"], True)])
+def test_doctor_runs_the_gpu_check_only_when_asked(argv, gpu, monkeypatch):
+    asked = []
+    monkeypatch.setattr(doctor, "run", lambda gpu=False: asked.append(gpu) or 0)
+    assert cli.main(argv) == 0 and asked == [gpu]
