@@ -76,7 +76,7 @@ def test_a_measured_step_on_an_emulated_link(cluster2):
 
 def test_the_sweep_declares_t_of_b_and_the_activation_of_b_samples(cluster2):
     with cluster2.emulate(link=LINK):
-        sweep = microbatch_sweep(cluster2, (1, 2, 4), t_0=0.003, c=0.0005, batch=8, sample_bytes=64, attempts=1)
+        sweep = microbatch_sweep(cluster2, (1, 2, 4), t_0=0.003, t_1=0.0005, batch=8, sample_bytes=64, attempts=1)
     for M, measurement in zip((1, 2, 4), sweep):
         b = 8 // M
         t = 0.003 + 0.0005 * b
@@ -90,8 +90,8 @@ def test_the_sweep_declares_t_of_b_and_the_activation_of_b_samples(cluster2):
 
 def test_the_fit_recovers_a_straight_line():
     costs = {M: 0.002 + 0.0001 * (256 // M) for M in (1, 2, 4, 8, 16, 32)}
-    t_0, c = fit_microbatch_cost(costs, 256)
-    assert t_0 == pytest.approx(0.002) and c == pytest.approx(0.0001)
+    t_0, t_1 = fit_microbatch_cost(costs, 256)
+    assert t_0 == pytest.approx(0.002) and t_1 == pytest.approx(0.0001)
     assert fit_microbatch_cost({1: Fraction(3), 2: Fraction(2)}, 4) == (1, Fraction(1, 2))
 
 

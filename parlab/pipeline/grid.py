@@ -11,8 +11,8 @@ The lecture's 2 x 2 grid (N_d = 2 replicas, K = 2 stages, N = 4 ranks):
     pipeline 1        rank 2  --p2p-->  rank 3         samples B/2 .. B - 1
 
 Layout: the rows are pipelines, the columns data-parallel groups. Schedule rank r of
-pipeline d is global rank d K + r (``rank_grid(N_d, K)[d][r]``): pipeline d is ranks
-d K .. d K + K - 1, and the data-parallel group of schedule rank r is {r, K + r, 2K + r, ...}.
+pipeline i is global rank i K + r (``rank_grid(N_d, K)[i][r]``): pipeline i is ranks
+i K .. i K + K - 1, and the data-parallel group of schedule rank r is {r, K + r, 2K + r, ...}.
 Which dimension gets neighbouring ranks is a choice: pipeline messages are small (one
 micro-batch's activation) but wait on the critical path, the all-reduce is large (the
 stage's gradients) but comes once per step. Megatron-LM puts pipeline stages farthest
@@ -49,10 +49,10 @@ __all__ = ["PipelineDataParallel", "rank_grid"]
 
 def rank_grid(N_d, K):
     """The global ranks as N_d rows (pipelines) of K columns (schedule ranks):
-    ``rank_grid(N_d, K)[d][r] = d K + r``; column r is the data-parallel group of r."""
+    ``rank_grid(N_d, K)[i][r] = i K + r``; column r is the data-parallel group of r."""
     whole_number("N_d (the number of pipelines)", N_d, "give the data-parallel degree as a count, such as N_d = 2.")
     whole_number("K (the number of ranks of a pipeline)", K, "give the pipeline depth as a count, such as K = 2.")
-    return [[d * K + r for r in range(K)] for d in range(N_d)]
+    return [[i * K + r for r in range(K)] for i in range(N_d)]
 
 
 class PipelineDataParallel:
@@ -65,7 +65,7 @@ class PipelineDataParallel:
     Construction copies each stage's parameters from pipeline 0 to the other replicas (one
     broadcast of a flat buffer per stage in each column), so the replicas start equal.
 
-    Attributes: ``replica`` (d), ``pipeline_ranks`` (this row), ``data_parallel_ranks``
+    Attributes: ``replica`` (i), ``pipeline_ranks`` (this row), ``data_parallel_ranks``
     (this column), ``executor`` (the row's ``PipelineExecutor``).
     """
 
@@ -88,8 +88,8 @@ class PipelineDataParallel:
 
     def step(self, inputs=None, targets=None):
         """One training step on the whole batch of B samples (B a multiple of N_d M; inputs
-        needed on the ranks of stage 0, targets on those of the last stage): pipeline d
-        runs its schedule on samples d B/N_d .. (d + 1) B/N_d - 1, then each stage's gradients
+        needed on the ranks of stage 0, targets on those of the last stage): pipeline i
+        runs its schedule on samples i B/N_d .. (i + 1) B/N_d - 1, then each stage's gradients
         are averaged over its column. Returns the M micro-batch losses of the replica's
         shard on the ranks of the last stage, None elsewhere. No optimizer step."""
         losses = self.executor.step(self._shard(inputs), self._shard(targets))

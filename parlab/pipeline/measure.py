@@ -2,10 +2,10 @@
 only sleep, and the step time as the micro-batches shrink.
 
     measure_bubble(cluster, schedule, t_f, t_b, t_w, activation_bytes)    a BubbleMeasurement
-    microbatch_sweep(cluster, microbatches, t_0, c, batch, sample_bytes)  GPipe at each M, stages of declared
-                                                                          t(b) = t_0 + c b per micro-batch of b
+    microbatch_sweep(cluster, microbatches, t_0, t_1, batch, sample_bytes)  GPipe at each M, stages of declared
+                                                                          t(b) = t_0 + t_1 b per micro-batch of b
     one_stage_costs(stage, inputs, targets, microbatches)     t(b) of a real stage alone in this process
-    fit_microbatch_cost(costs, batch)                         t_0 and c of t(b) = t_0 + c b, least squares
+    fit_microbatch_cost(costs, batch)                         t_0 and t_1 of t(b) = t_0 + t_1 b, least squares
     gpipe_step_times(cluster, build_stages, inputs, targets, microbatches)   real GPipe steps, per M
 
 The model. The simulator (``simulate``) places every action at the time its rank is free
@@ -23,7 +23,7 @@ shorter runs the same actions along the same critical path, so what its step tak
 its own simulation (``overhead_s``) is that cost, paid once per action on the critical path
 whatever the stages' length (the shorter step keeps the ranks busier, so if anything it
 overstates the cost). It lengthens the measured step by about ``overhead_s``, and so raises
-the bubble by at most (1 - f) overhead_s / T (f the simulated bubble, T the simulated step:
+the bubble by at most (1 - bubble) overhead_s / T (the simulated bubble and step time T:
 the ranks' busy time stays, the makespan grows). Allowed: twice each, as the load of a
 shared machine changes between the two steps. A step that misses its allowance is measured
 once more, yardstick and all (``attempts`` says how many were taken): another program
@@ -151,10 +151,11 @@ def link_time(network, nbytes):
     return network.time(nbytes)
 
 
-def microbatch_sweep(cluster, microbatches, t_0, c, batch, sample_bytes, tb_over_tf=2.0, attempts=2):
+def microbatch_sweep(cluster, microbatches, t_0, t_1, batch, sample_bytes, tb_over_tf=2.0, attempts=2):
     """GPipe on the cluster's K ranks for each M of ``microbatches``, with emulated stages
     whose forward and backward of a micro-batch of b = ``batch`` / M samples take
-    t(b) = t_0 + c b seconds together, split 1 : ``tb_over_tf``, and whose activations are
+    t(b) = t_0 + t_1 b seconds together (t_0 a fixed cost per micro-batch, t_1 the cost per
+    sample), split 1 : ``tb_over_tf``, and whose activations are
     b x ``sample_bytes`` bytes (``measure_bubble``, ``attempts`` times at most). Returns a
     ``BubbleMeasurement`` per M, in order."""
     measurements = []
@@ -163,7 +164,7 @@ def microbatch_sweep(cluster, microbatches, t_0, c, batch, sample_bytes, tb_over
             raise ValueError(f"a batch of {batch} samples does not split into M = {M} micro-batches: use values "
                              f"of M that divide {batch}.")
         b = batch // M
-        t = t_0 + c * b
+        t = t_0 + t_1 * b
         schedule = make_schedule("gpipe", cluster.world_size, M)
         measurements.append(measure_bubble(cluster, schedule, t / (1 + tb_over_tf), t * tb_over_tf / (1 + tb_over_tf),
                                            activation_bytes=b * sample_bytes, attempts=attempts))
@@ -194,10 +195,10 @@ def one_stage_costs(stage, inputs, targets, microbatches, repeats=5):
 
 
 def fit_microbatch_cost(costs, batch):
-    """(t_0, c) of the straight line t(b) = t_0 + c b through ``costs`` ({M: t(B / M)}, as
+    """(t_0, t_1) of the straight line t(b) = t_0 + t_1 b through ``costs`` ({M: t(B / M)}, as
     ``one_stage_costs`` gives), by least squares."""
-    c, t_0 = statistics.linear_regression([batch // M for M in costs], list(costs.values()))
-    return t_0, c
+    t_1, t_0 = statistics.linear_regression([batch // M for M in costs], list(costs.values()))
+    return t_0, t_1
 
 
 def gpipe_step_times(cluster, build_stages, inputs, targets, microbatches, steps=2):

@@ -12,7 +12,8 @@ plots all read the same lists.
     interleaved_1f1b(K, M, v)    Megatron: v model chunks per rank, bubble divided by v
     zero_bubble_h1(K, M)         1F1B with the backward split into B (input) and W (weights)
 
-Symbols: K ranks, M micro-batches, v stages (model chunks) per rank, S = K v stages. Stage s
+Symbols (notebooks/GLOSSARY.md): K ranks, M micro-batches, v stages (model chunks) per rank,
+so K v stages in all (Narayanan et al. 2021 write p, m and v; GPipe writes K and M). Stage s
 lives on rank s mod K (the "loop" placement of torch's interleaved schedules).
 
 Dependencies (the communication semantics shared with the simulator and the executor):
@@ -68,7 +69,7 @@ class Schedule:
 
     @property
     def num_stages(self):
-        """S = K v."""
+        """K v: every rank's v chunks."""
         return self.num_ranks * self.stages_per_rank
 
     def rank_of(self, stage):
@@ -111,10 +112,11 @@ def gpipe(K, M):
 
 
 def one_f_one_b(K, M):
-    """1F1B (PipeDream-Flush): rank r runs K - r - 1 warm-up forwards, then alternates one
-    forward and one backward (F, B pairs) until its forwards are done, then the remaining
-    K - r - 1 backwards (cool-down). Same bubble as GPipe, but rank r holds at most K - r
-    micro-batches of activations instead of M. Needs M >= K."""
+    """1F1B (PipeDream-Flush; Narayanan et al. 2021, section 2.2.1): rank r runs K - r - 1
+    warm-up forwards, then alternates one forward and one backward (F, B pairs) until its
+    forwards are done, then the remaining K - r - 1 backwards (cool-down). Same bubble as
+    GPipe, but rank r holds at most K - r micro-batches of activations instead of M. Needs
+    M >= K."""
     _check_warmup("1F1B", K, M)
     rows = [_one_forward_one_backward([Action(r, "F", m) for m in range(M)], [Action(r, "B", m) for m in range(M)],
                                       K - r - 1) for r in range(K)]
@@ -150,9 +152,11 @@ def zero_bubble_h1(K, M):
     on the critical path: the previous rank waits for it) and W (gradient of the weights,
     needed only by the optimizer). Rank r defers its W's by r backwards: W(m - r) follows
     B(m), the last r W's close the step, filling the cool-down idle time of the late ranks.
-    The F/B order and so the activations held are those of 1F1B; each rank's idle time drops
-    from (K - 1)(t_f + t_b + t_w) to (K - 1)(t_f + t_b - t_w) when t_w <= t_f and t_w <= t_b.
-    Needs M >= K."""
+    The F/B order is that of 1F1B; a micro-batch's activations are held until its W, so rank r
+    holds up to K - r + r = K micro-batches: every rank as many as 1F1B's rank 0, the peak of
+    1F1B (the paper's "no more memory than 1F1B"). Each rank's idle time drops from
+    (K - 1)(t_f + t_b + t_w) to (K - 1)(t_f + t_b - t_w) when t_w <= t_f and t_w <= t_b
+    (Qi et al. 2023, section 2.1). Needs M >= K."""
     _check_warmup("ZB-H1", K, M)
     flush = one_f_one_b(K, M)
     rows = []

@@ -33,9 +33,11 @@ class Simulation:
     """The simulated step of ``schedule``: ``times`` maps each Action to (start, end);
     ``step_time`` is the last end (the first action starts at 0); ``busy[r]`` the compute
     time of rank r; ``bubble_fraction`` = 1 - sum(busy) / (K step_time);
-    ``peak_activations[r]`` the most (stage, micro-batch) activations rank r holds at once
-    (F done, B not yet: for an interleaved schedule each is one chunk, 1/v of the rank's
-    layers); ``timeline`` one COMPUTE event per action, a ``parlab.trace.Timeline``."""
+    ``peak_activations[r]`` the most (stage, micro-batch) activations rank r holds at once:
+    F done and the backward not yet complete, that is B not yet run, or W where the schedule
+    splits the backward (W still reads the layer inputs that F saved; Qi et al. 2023 count a
+    micro-batch in flight until its W). For an interleaved schedule each is one chunk, 1/v of
+    the rank's layers. ``timeline``: one COMPUTE event per action, a ``parlab.trace.Timeline``."""
 
     schedule: object
     times: dict
@@ -94,7 +96,8 @@ def simulate(schedule, t_f=1.0, t_b=2.0, t_w=0, t_comm=0):
     events = [(schedule.rank_of(a.stage), COMPUTE, EVENT_NAMES[a.kind], round(start * NS_PER_UNIT),
                round(end * NS_PER_UNIT), None, 0, a.stage, a.microbatch) for a, (start, end) in times.items()]
     return Simulation(schedule, times, step_time, busy, idle_fraction(busy, step_time),
-                      [_peak_activations(row) for row in schedule.actions], Timeline(events, K, regime="simulated"))
+                      [_peak_activations(row, schedule.has_weight_actions) for row in schedule.actions],
+                      Timeline(events, K, regime="simulated"))
 
 
 def bubble_fraction(timeline):
@@ -152,9 +155,12 @@ def bubble_ratio_playbook(K, M, v=1):
     return (K - 1) / (v * M)
 
 
-def _peak_activations(row):
+def _peak_activations(row, split_backward):
+    # A micro-batch's activations are freed by the action that ends its backward: W when the
+    # backward is split (B leaves W the layer inputs and output gradients), B otherwise.
+    release = {"F": 1, "B": 0, "W": -1} if split_backward else {"F": 1, "B": -1}
     held = peak = 0
     for action in row:
-        held += {"F": 1, "B": -1, "W": 0}[action.kind]
+        held += release[action.kind]
         peak = max(peak, held)
     return peak
