@@ -11,14 +11,20 @@ live on one host and read the same monotonic clock (``time.perf_counter_ns``), s
 events line up without any clock correction. Outside ``cluster.trace`` recording is off and
 ``span`` costs one attribute lookup.
 
-``timeline.plot()`` (``plot_timeline``) draws the Gantt chart. This module imports nothing of
+``timeline.plot()`` (``plot_timeline``) draws the Gantt chart, each kind of span in a colour
+of its own; drawn from a script, the chart is shown (or saved) when the script ends, as a
+notebook shows it under its cell (``show_from_script``). This module imports nothing of
 parlab: the runtime's workers record with it, and everything that draws or analyses a
 timeline (``parlab.viz``, ``parlab.pipeline.simulate``) imports it, never the reverse.
 """
 
+import atexit
+import sys
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 COMM, COMPUTE = "comm", "compute"
 
@@ -172,20 +178,56 @@ class Timeline:
 # Drawn here, beside the Timeline it draws, so that ``timeline.plot()`` needs nothing above
 # this module (matplotlib is imported only when a chart is drawn; the ranks never draw).
 
+# Every kind of span parlab marks has a colour of its own. A name without one takes its first
+# word's ("all-gather parameters" draws as an all-gather), and within one chart no two names
+# share a colour: a name whose colour is taken there, or that has none (a learner's own
+# span), takes the first spare colour still free (``chart_colours``).
 COMPUTE_COLOURS = {
     "forward": "tab:blue",
     "backward": "tab:green",
     "weight": "tab:olive",
     "optimizer": "tab:orange",
-    # ZeRO and FSDP mark their collectives as spans ("all-gather", "reduce-scatter gradients",
-    # ...: a span is coloured by its name's first word); their sends and receives draw in
-    # the lower half of the row, in COMM_COLOURS.
+    "gradient": "teal",  # one gradient of lecture 06's problem: forward and backward in one
+    "step": "lightgray",  # a step encloses the spans inside it, which draw over it
+    "emulated compute": "#aec7e8",
+    # ZeRO, FSDP and tensor parallelism mark their collectives as spans; their sends and
+    # receives draw in the lower half of the row, in COMM_COLOURS.
     "all-gather": "tab:cyan",
     "reduce-scatter": "tab:pink",
     "all-reduce": "darkgoldenrod",
+    "data-parallel all-gather": "cadetblue",  # beside a tensor-parallel all-gather on a grid
+    "data-parallel reduce-scatter": "orchid",
+    "data-parallel all-reduce": "gold",
+    "sequence-parallel gradients": "yellowgreen",
+    "parameters to device": "slategray",  # ZeRO's offload
+    "gradients to host": "rosybrown",
 }
-COMM_COLOURS = {"send": "tab:red", "isend": "tab:red", "recv": "tab:purple", "irecv": "tab:purple"}
-OTHER_COMPUTE, OTHER_COMM = "tab:gray", "tab:brown"
+# A send and an isend are one kind of transfer, and so are a recv and an irecv.
+COMM_COLOURS = {"send": "tab:red", "isend": "tab:red", "recv": "tab:purple", "irecv": "tab:purple",
+                "all_reduce": "tab:brown", "broadcast": "maroon"}
+SPARE_COLOURS = ["#ffbb78", "#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5", "#ff9896", "navy",
+                 "darkolivegreen", "chocolate", "indigo", "crimson", "black"]
+
+
+def chart_colours(events):
+    """(kind, name) -> colour for the events of one chart: a name's own colour
+    (COMPUTE_COLOURS, COMM_COLOURS), else its first word's, else, or when another name in the
+    chart has that colour, the first spare colour still free (grey when none is). Names with
+    a colour of their own choose first, the others in order of appearance; two names share a
+    colour only when it is their own (send and isend)."""
+    keys = list(dict.fromkeys((ev.kind, ev.name) for ev in events))
+    keys.sort(key=lambda key: key[1] not in _table(key[0]))
+    colours = {}
+    for kind, name in keys:
+        own = _table(kind).get(name)
+        wanted = [own, _table(kind).get(name.split(" ")[0])] + SPARE_COLOURS
+        used = set(colours.values())
+        colours[kind, name] = next((c for c in wanted if c and (c == own or c not in used)), "tab:gray")
+    return colours
+
+
+def _table(kind):
+    return COMPUTE_COLOURS if kind == COMPUTE else COMM_COLOURS
 
 
 def plot_timeline(timeline, ax=None, title=None):
@@ -199,26 +241,26 @@ def plot_timeline(timeline, ax=None, title=None):
 
     if ax is None:
         _, ax = plt.subplots(figsize=(10, 0.7 * timeline.world_size + 1.4))
+        show_from_script(ax.figure, "timeline")
     t0 = min((ev.start for ev in timeline.events), default=0.0)
     span_ms = max(timeline.duration * 1e3, 1e-6)
-    legend = {}
-    lanes = _comm_lanes(timeline.events)
+    lanes, colours = _comm_lanes(timeline.events), chart_colours(timeline.events)
+    enclosing = _enclosing_spans(timeline.events)  # a step around its backward: labelled by the legend only
     for ev in timeline.events:
         start, width = (ev.start - t0) * 1e3, max(ev.duration * 1e3, span_ms / 2000)
+        colour = colours[ev.kind, ev.name]
         if ev.kind == COMPUTE:
-            colour = _compute_colour(ev.name)
             bottom, height, label = ev.rank - 0.42, 0.4, _compute_label(ev)
         else:
             # Transfers that overlap in time (an isend still pending during a recv) get
             # lanes of their own in the lower half of the row instead of drawing on top.
             lane, count = lanes[ev]
-            colour = COMM_COLOURS.get(ev.name, OTHER_COMM)
             height = 0.4 / count
             bottom, label = ev.rank + 0.02 + lane * height, _comm_label(ev)
         ax.broken_barh([(start, width)], (bottom, height), facecolors=colour, edgecolor="white", linewidth=0.5)
-        legend.setdefault(ev.name, colour)
-        if width > span_ms * 0.03 and height >= 0.2:
-            ax.text(start + width / 2, bottom + height / 2, label, ha="center", va="center", fontsize=7, color="white")
+        if width > span_ms * 0.03 and height >= 0.2 and ev not in enclosing:
+            ax.text(start + width / 2, bottom + height / 2, label, ha="center", va="center", fontsize=7,
+                color=_text_colour(colour))
     ax.set_yticks(range(timeline.world_size), [f"rank {r}" for r in range(timeline.world_size)])
     ax.set_ylim(timeline.world_size - 0.5, -0.5)
     ax.set_xlim(0, span_ms * 1.01)
@@ -227,8 +269,11 @@ def plot_timeline(timeline, ax=None, title=None):
     heading = title or f"{what} timeline ({timeline.duration * 1e3:.1f} ms)"
     # Every chart says how its times came about: real, emulated (and how), or simulated.
     ax.set_title(heading if timeline.regime == "simulated" else f"{heading}\n{timeline.regime}", fontsize=10)
+    legend = {}  # colour -> the names drawn in it (send and isend share one), in order of appearance
+    for kind, name in dict.fromkeys((ev.kind, ev.name) for ev in timeline.events):
+        legend.setdefault(colours[kind, name], []).append(name)
     if legend:
-        handles = [Patch(color=colour, label=name) for name, colour in legend.items()]
+        handles = [Patch(color=colour, label=" / ".join(names)) for colour, names in legend.items()]
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     return ax
 
@@ -250,8 +295,24 @@ def _comm_lanes(events):
     return {ev: (lane, len(lane_ends[ev.rank])) for ev, lane in placed.items()}
 
 
-def _compute_colour(name):
-    return COMPUTE_COLOURS.get(name) or COMPUTE_COLOURS.get(name.split(" ")[0], OTHER_COMPUTE)
+def _enclosing_spans(events):
+    """The compute spans inside which another span of their rank starts (events in start order)."""
+    enclosing, last = set(), {}
+    for ev in events:
+        if ev.kind == COMPUTE:
+            outer = last.get(ev.rank)
+            if outer is not None and ev.start < outer.end:
+                enclosing.add(outer)
+            last[ev.rank] = ev
+    return enclosing
+
+
+def _text_colour(colour):
+    """White on a dark bar, black on a light one (lightgray steps, gold all-reduces)."""
+    from matplotlib.colors import to_rgb
+
+    red, green, blue = to_rgb(colour)
+    return "black" if 0.299 * red + 0.587 * green + 0.114 * blue > 0.6 else "white"
 
 
 def _compute_label(ev):
@@ -266,3 +327,69 @@ def _compute_label(ev):
 def _comm_label(ev):
     arrow = "→" if "send" in ev.name else "←"
     return f"{arrow}{ev.peer}" if ev.peer is not None else ev.name
+
+
+# --- charts drawn from a script -------------------------------------------------------------------
+# In a notebook a chart appears under its cell; a script's pyplot figures appear only when the
+# script calls plt.show(), so ``timeline.plot()`` alone would show nothing there.
+
+_from_script = []  # (weak reference to a figure, the stem of its file name) drawn outside IPython
+
+
+def show_from_script(figure, stem):
+    """Let a chart that parlab made for a script (``plot(ax=None)``) be seen: when the script
+    ends, every such figure still open (neither shown by plt.show() nor closed) is shown in a
+    window if matplotlib can open one, and otherwise saved as ``stem.png`` in the working
+    directory (``stem-2.png``, ... beside existing files, never over them), with a line on
+    stderr saying where. Nothing changes in IPython and Jupyter, which show figures
+    themselves, nor under plt.ion(), which shows them at once."""
+    import matplotlib.pyplot as plt
+
+    if _in_ipython() or plt.isinteractive():
+        return
+    if not _from_script:
+        # registered after pyplot's own exit handler, which closes every figure, so it runs first
+        atexit.register(_show_at_exit)
+    _from_script.append((weakref.ref(figure), stem))
+
+
+def _in_ipython():
+    ipython = sys.modules.get("IPython")
+    return ipython is not None and ipython.get_ipython() is not None
+
+
+def _show_at_exit():
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    still_open = [plt.figure(number) for number in plt.get_fignums()]
+    figures = [(ref(), stem) for ref, stem in _from_script if any(ref() is figure for figure in still_open)]
+    if not figures:
+        return
+    backend = matplotlib.get_backend()
+    if _opens_windows(backend):
+        plt.show()
+        return
+    for figure, stem in figures:
+        path = _free_path(stem).resolve()
+        figure.savefig(path, bbox_inches="tight")
+        print(f"parlab: matplotlib cannot open a window here (backend {backend}), so the chart was saved to {path}",
+              file=sys.stderr)
+
+
+def _opens_windows(backend):
+    try:
+        from matplotlib.backends import BackendFilter, backend_registry
+
+        non_interactive = backend_registry.list_builtin(BackendFilter.NON_INTERACTIVE)
+    except ImportError:  # matplotlib before 3.9
+        from matplotlib.rcsetup import non_interactive_bk as non_interactive
+    return backend.lower() not in {name.lower() for name in non_interactive}
+
+
+def _free_path(stem):
+    path, n = Path(f"{stem}.png"), 1
+    while path.exists():
+        n += 1
+        path = Path(f"{stem}-{n}.png")
+    return path

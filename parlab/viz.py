@@ -4,9 +4,11 @@ collective (``plot_collective``), and the Gantt chart of a measured or simulated
 ``timeline.plot()`` works without the trace importing this module).
 
 Plain matplotlib functions that return their axes, so notebooks, widgets and tests share them.
+A chart they draw on a figure of their own from a script is shown or saved when the script
+ends (``parlab.trace.show_from_script``).
 """
 
-from parlab.trace import plot_timeline
+from parlab.trace import plot_timeline, show_from_script
 
 __all__ = ["plot_collective", "plot_timeline"]
 
@@ -27,6 +29,7 @@ def plot_collective(before, after, title, axes=None):
         _, axes = plt.subplots(
             1, 2, figsize=(2.4 + 1.2 * width, 0.5 * len(before) + 1.3), layout="constrained"
         )
+        show_from_script(axes[0].figure, "collective")
     vmax = max([abs(v) for row in before + after if row is not None for v in _values(row)] or [1])
     for ax, rows, name in ((axes[0], before, "before"), (axes[1], after, "after")):
         _draw_rows(ax, rows, vmax, width)
