@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parlab import trace
-from parlab.bench.compression import sign_descent, torch_hooks_on_gloo
+from parlab.bench.compression_experiments import SIGN_METHODS, sign_descent, torch_hooks_on_gloo
 from parlab.collectives import ring_allreduce
 from parlab.compression import (
     BF16,
@@ -236,18 +236,28 @@ def test_what_torchs_own_hooks_do_on_gloo(cluster2):
 
 
 @pytest.mark.timeout(120)
-def test_signsgd_majority_vote_stalls_where_error_feedback_converges(cluster4):
+def test_signsgd_majority_vote_and_averaged_signs_stall_where_error_feedback_converges(cluster4):
     optimum = torch.tensor([3.0, -1.5])
     gamma, steps = 0.05, 400
-    vote, _ = cluster4.run(sign_descent, steps, gamma, False)[0]
-    with_ef, residual = cluster4.run(sign_descent, steps, gamma, True)[0]
+    (vote, _), (averaged, no_residual), (with_ef, residual) = [
+        cluster4.run(sign_descent, steps, gamma, method)[0] for method in SIGN_METHODS]
     # the vote follows the three ranks that agree: it ends within one step of their (0, 0)
     assert vote.abs().max() <= gamma
     assert (vote - optimum).norm() >= optimum.norm() - gamma * 2**0.5
+    # averaged scaled signs: every rank's sign is +-(1, -1) here, so x stays on the diagonal x2 = -x1 and
+    # ends where it passes nearest the optimum, (2.25, -2.25), |3 - 1.5| / sqrt(2) away
+    diagonal = optimum.sum().abs() / 2**0.5
+    assert averaged[0] == -averaged[1] and no_residual == 0.0
+    assert (averaged - optimum).norm() >= diagonal * (1 - 4 * torch.finfo(torch.float32).eps)
+    assert torch.allclose(averaged, torch.tensor([2.25, -2.25]), atol=1e-4)
     # with error feedback, x - mean(e) takes exact gradient steps, so x ends within the
     # ranks' mean residual of the optimum, twice over (the residual, and the lag it causes)
-    assert (with_ef - optimum).norm() <= 2 * residual + gamma
-    assert (with_ef - optimum).norm() < (vote - optimum).norm() / 5
+    assert (with_ef - optimum).norm() <= 2 * residual + gamma < diagonal
+
+
+def test_sign_descent_refuses_an_unknown_method():
+    with pytest.raises(ValueError, match="method must be one of"):
+        sign_descent(1, 0.1, "median")
 
 
 def biased_compressors_in_torchs_ddp():

@@ -7,7 +7,10 @@ import pytest
 
 from parlab import Link
 from parlab.widgets.compression import (
+    KINDS,
+    caption,
     compression_widget,
+    drawn_rows,
     lecture_compressor,
     plot_curves,
     plot_prediction,
@@ -30,6 +33,18 @@ def test_step_prediction_is_the_formulas_beside_dense():
     assert topk["time_ratio"] == pytest.approx(topk["predicted_s"] / dense["predicted_s"])
     _, power = step_prediction("PowerSGD + EF", 2, SLOW, rank=4)
     assert power["sent"] == 4 * (256 + 256 + (256 + 256) * 4 * 2)  # biases and P's, then Q's: N = 2 sends each once
+
+
+def test_the_widget_draws_top_k_and_powersgd_beside_the_chosen_one_and_its_caption_says_so():
+    assert [row["name"] for row in drawn_rows("fp16", 4, SLOW)] == ["dense", "fp16", "top-k + EF", "PowerSGD + EF"]
+    assert [row["name"] for row in drawn_rows("PowerSGD + EF", 4, SLOW)] == ["dense", "PowerSGD + EF", "top-k + EF"]
+    # the static picture's caption named only the chosen compressor, though PowerSGD is always drawn
+    assert caption("top-k + EF", 4, 10e6, 0.01, 2) == (
+        "top-k + EF and PowerSGD + EF (k/d = 0.01, PowerSGD's R = 2) against dense at N = 4, 10 MB/s")
+    assert caption("fp16", 8, 1e9, 0.1, 4).startswith(
+        "fp16, top-k + EF and PowerSGD + EF (k/d = 0.1, PowerSGD's R = 4)")
+    # the glossary's letters: q for QSGD's levels (s is a sequence length)
+    assert "QSGD q=4" in KINDS and lecture_compressor("QSGD q=4").levels == 4
 
 
 def test_plot_prediction_draws_compute_and_communication_and_the_measured_dots():
@@ -55,6 +70,7 @@ def test_plot_curves_draws_loss_against_steps_and_wall_time():
 def test_the_widget_redraws_on_its_controls_and_measures_on_the_cluster(cluster2):
     widget = compression_widget(cluster2, kind="top-k + EF", N=4, bandwidth=10e6)
     choice, fraction, rank, ranks, speed, measure_button, readout, feedback, image = widget.children
+    assert rank.description == "PowerSGD rank R"
     assert readout.value.startswith("top-k + EF: <b>47,340 bytes</b> per rank")
     picture = image.value
     for control, value in ((fraction, 0.1), (rank, 4), (ranks, 8), (speed, 1e9)):  # each control redraws

@@ -4,11 +4,12 @@ Every compressor of ``COMPRESSORS`` trains the same MLP (``depth`` Linear layers
 x ``hidden``, tanh between them) to fit a fixed random teacher, with SGD through parlab's DDP
 and the compressor as its comm hook (``parlab.compression.parlab_hook``), each step taking a
 declared compute of ``--compute-ms`` (emulated: the CPU is released) beside its real
-forward, backward and compression. Per compressor, in one run on one cluster: the bytes
-each rank sent in a step (counted in the trace) over dense's, and the median step time
-(first rank's start to last rank's end) over dense's, under each ``--links`` link, slow and
-fast, so the crossover shows: compression pays when the link is the bottleneck, and costs
-its compute and extra messages when it is not. Then the same steps in real time, beside
+forward, backward and compression. Per compressor, in one run on one cluster, the
+compressors taking their steps in turns: the bytes each rank sent in a step (counted in the
+trace) over dense's, and the median step time (first rank's start to last rank's end) over
+dense's, under each ``--links`` link, slow and fast, so the crossover shows: compression
+pays when the link is the bottleneck, and costs its compute and extra messages when it is
+not. Then the same steps in real time, beside
 torch's own hooks on its DDP (fp16_compress_hook, powerSGD_hook; the rest of torch's hooks
 do not run on gloo, see lecture 05), whose bytes come from their formulas (torch's
 communication is not traced). ``final_loss`` is the loss on a fixed batch after the steps.
@@ -39,7 +40,6 @@ from parlab.bench import (
     ratio_header,
     time_ratio,
 )
-from parlab.collectives import ring_allreduce
 from parlab.compression import (
     FP16,
     QSGD,
@@ -47,7 +47,6 @@ from parlab.compression import (
     Identity,
     PowerSGD,
     ScaledSign,
-    SignSGD,
     TopK,
     parlab_hook,
     travel,
@@ -59,11 +58,11 @@ COMPRESSORS = {  # name -> a fresh compressor (state such as residuals lives in 
     "dense": Identity,
     "fp16": FP16,
     "top-k 1% + EF": lambda: ErrorFeedback(TopK(0.01)),
-    "QSGD s=4": lambda: QSGD(4),
+    "QSGD q=4": lambda: QSGD(4),
     "scaled sign + EF": lambda: ErrorFeedback(ScaledSign()),
-    "PowerSGD r=2 + EF": lambda: ErrorFeedback(PowerSGD(2)),
+    "PowerSGD R=2 + EF": lambda: ErrorFeedback(PowerSGD(2)),
 }
-TORCH_HOOKS = {"torch fp16_compress_hook": "fp16", "torch powerSGD_hook r=2": "PowerSGD r=2 + EF"}
+TORCH_HOOKS = {"torch fp16_compress_hook": "fp16", "torch powerSGD_hook R=2": "PowerSGD R=2 + EF"}
 REFERENCE = "the dense step (parlab's DDP without compression; torch's hooks: torch's DDP)"
 DEFAULT_LINKS = ["500us,10MB/s", "50us,1GB/s"]
 LR, SEED, TEACHER_SEED, EVALUATION_SEED = 1.0, 0, 12345, 10**6
@@ -106,18 +105,20 @@ def batches(hidden, batch_size, seed):
 def train(names, steps, hidden=256, depth=2, batch_size=16, compute_s=0.0, engine="parlab", compressors=None):
     """On every rank: train a fresh MLP per compressor (by name, from ``compressors``, default
     ``COMPRESSORS``; or ``TORCH_HOOKS`` and "torch dense" with ``engine="torch"``), ``steps``
-    steps each, a "step" span each;
-    returns {name: [the loss on a fixed batch of 256 after each step]}. Each rank draws a
-    fresh batch of ``batch_size`` at each step (the same for every compressor)."""
+    steps each, a "step" span each. The runs take their steps in turns (step 1 of every name,
+    then step 2, ...), so that whatever else loads the machine meanwhile falls on all of them
+    alike and their ratios compare steps taken side by side. Returns {name: [the loss on a
+    fixed batch of 256 after each step]}. Each rank draws a fresh batch of ``batch_size`` at
+    each step (the same for every compressor)."""
     evaluation = batches(hidden, 256, EVALUATION_SEED)
-    losses = {}
+    runs = {}
     for name in names:
         net = mlp(hidden, depth)
-        model = _wrap(net, name, engine, compressors or COMPRESSORS)
-        optimizer = torch.optim.SGD(net.parameters(), lr=LR)
-        losses[name] = []
-        for step in range(steps):
-            inputs, targets = batches(hidden, batch_size, seed=step * dist.get_world_size() + dist.get_rank())
+        runs[name] = net, _wrap(net, name, engine, compressors or COMPRESSORS), torch.optim.SGD(net.parameters(), lr=LR)
+    losses = {name: [] for name in names}
+    for step in range(steps):
+        inputs, targets = batches(hidden, batch_size, seed=step * dist.get_world_size() + dist.get_rank())
+        for name, (net, model, optimizer) in runs.items():
             dist.barrier()  # the ranks start each step together
             with trace.span("step"):
                 compute(compute_s, step)
@@ -140,7 +141,7 @@ def _wrap(net, name, engine, compressors):
     model = nn.parallel.DistributedDataParallel(net)
     if name == "torch fp16_compress_hook":
         model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif name == "torch powerSGD_hook r=2":
+    elif name == "torch powerSGD_hook R=2":
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2)
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     return model
@@ -148,14 +149,14 @@ def _wrap(net, name, engine, compressors):
 
 def measure(cluster, names, steps, hidden=256, depth=2, batch_size=16, compute_s=0.0, engine="parlab",
             compressors=None):
-    """Train ``names`` on ``cluster`` in its current regime; one dict per name: ``seconds``
-    (each step, first rank's start to last rank's end), ``median_s``, ``sent`` (bytes each
-    rank sent in the last step, from the trace), ``losses`` (after each step), ``times``
-    (the wall time at the end of each step, from the first step's start)."""
+    """Train ``names`` on ``cluster`` in its current regime, their steps in turns (``train``);
+    one dict per name: ``seconds`` (each step, first rank's start to last rank's end),
+    ``median_s``, ``sent`` (bytes each rank sent in the last step, from the trace), ``losses``
+    (after each step), ``times`` (the sum of its steps' times at the end of each step)."""
     timeline = cluster.trace(train, names, steps, hidden, depth, batch_size, compute_s, engine, compressors)
     rows = []
     for index, name in enumerate(names):
-        windows = [timeline.window("step", index * steps + step) for step in range(steps)]
+        windows = [timeline.window("step", step * len(names) + index) for step in range(steps)]
         seconds = [window.duration for window in windows]
         rows.append({"name": name, "seconds": seconds, "median_s": statistics.median(seconds),
                      "sent": max(windows[-1].bytes_sent()), "losses": timeline.results[0][name],
@@ -232,7 +233,7 @@ def torch_ratios(torch_rows, parlab_rows, shapes):
     and parlab's matching compressor (real time) over torch's hook."""
     dense, parlab = torch_rows[0], {row["name"]: row for row in parlab_rows}
     before, after = PowerSGD(2).compression_sizes(shapes)
-    bytes_ratio = {"torch dense": 1.0, "torch fp16_compress_hook": 0.5, "torch powerSGD_hook r=2": after / before}
+    bytes_ratio = {"torch dense": 1.0, "torch fp16_compress_hook": 0.5, "torch powerSGD_hook R=2": after / before}
     for row in torch_rows:
         row["bytes_ratio"] = bytes_ratio[row["name"]]
         row["time_ratio"] = time_ratio(row["median_s"], dense["median_s"])
@@ -266,61 +267,3 @@ def _table(rows):
         ["compressor", "sent / rank", "bytes / dense", "median step", "/ dense", "final loss"],
         [[row["name"], f"{row['sent']:,}", f"{row['bytes_ratio']:.3f}", format_seconds(row["median_s"]),
           f"{row['time_ratio']:.2f}", f"{row['losses'][-1]:.4f}"] for row in rows])
-
-
-# --- the lecture's experiments ----------------------------------------------------------------
-
-
-def sign_descent(steps, gamma, error_feedback):
-    """Minimise f(x) = (1/N) sum_i 1/2 ||x - a_i||^2 from x = 0: rank i holds a_i, three ranks
-    agree on a_i = (0, 0), one disagrees, (12, -6); the minimum is their mean. Returns the
-    final x and the largest mean residual of the last quarter of the steps (EF only)."""
-    targets = torch.tensor([[0.0, 0.0]] * 3 + [[12.0, -6.0]])
-    a = targets[dist.get_rank()]
-    compressor = ErrorFeedback(ScaledSign()) if error_feedback else SignSGD()
-    x, worst = torch.zeros(2), 0.0
-    for step in range(steps):
-        g = x - a
-        if error_feedback:
-            delta, _ = compressor.aggregate(g, gamma=gamma)
-            residual = compressor.residuals[0].clone()
-            if step >= 3 * steps // 4:
-                worst = max(worst, (ring_allreduce(residual) / dist.get_world_size()).norm().item())
-        else:
-            delta = gamma * compressor.aggregate(g)[0]
-        x = x - delta
-    return x, worst
-
-
-def torch_hooks_on_gloo():
-    """On every rank: what each of torch's own DDP comm hooks does here (gloo, CPU): "ok" after
-    4 steps, or the type of the exception it raised. On torch 2.13: fp16 and powerSGD work,
-    bf16 refuses (it wants CUDA and NCCL), both quantization hooks fail in their callbacks,
-    batched powerSGD fails once it starts compressing."""
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook, quantization_hooks
-
-    def attempt(register, steps=4):
-        torch.manual_seed(0)
-        model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)))
-        try:
-            register(model)
-            for _ in range(steps):
-                model(torch.randn(4, 16)).sum().backward()
-            return "ok"
-        except Exception as error:  # the finding is which error torch raises
-            return type(error).__name__
-
-    def powersgd(hook):
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
-        return lambda model: model.register_comm_hook(state, hook)
-
-    return {
-        "fp16": attempt(lambda m: m.register_comm_hook(None, default_hooks.fp16_compress_hook)),
-        "bf16": attempt(lambda m: m.register_comm_hook(None, default_hooks.bf16_compress_hook)),
-        "quantization per tensor": attempt(
-            lambda m: m.register_comm_hook(None, quantization_hooks.quantization_pertensor_hook)),
-        "quantization per channel": attempt(
-            lambda m: m.register_comm_hook(None, quantization_hooks.quantization_perchannel_hook)),
-        "powerSGD": attempt(powersgd(powerSGD_hook.powerSGD_hook)),
-        "batched powerSGD": attempt(powersgd(powerSGD_hook.batched_powerSGD_hook)),
-    }

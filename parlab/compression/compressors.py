@@ -2,8 +2,8 @@
 
 Every compressor is called on a gradient x of d elements and returns what a receiver
 reconstructs from its message, a tensor shaped like x; ``bytes(x)`` is the exact size of that
-message. In training, w_{t+1} = w_t - gamma * (1/N) sum_i C(g_i): each rank compresses its
-gradient g_i and ``aggregate(g_i)`` returns, on every rank, the average of the N
+message. In training, w_{t+1} = w_t - gamma * (1/N) sum_r C(g_r): each rank r compresses its
+gradient g_r and ``aggregate(g_r)`` returns, on every rank, the average of the N
 reconstructions, communicated as ``parlab.compression.travel`` describes (``sent_bytes(x, N)``
 is what each rank sends, equal to the trace's count). Symbols: N ranks, d elements, k the
 compressor's budget (elements kept), q QSGD's levels (the paper's s), gamma the learning rate.
@@ -14,10 +14,10 @@ compressor's budget (elements kept), q QSGD's levels (the paper's s), gamma the 
     RandK(k, seed)  d/k x on k random positions (the same on all)  yes       4 k          all-reduce
     TopK(k)         x on its k largest |x_j|                        no        (4 + 8) k    all-gather
     QSGD(q)         ||x|| sign(x_j) l_j / q, l_j rounded at random  yes       4 + d        all-gather
-    TernGrad()      max|x| sign(x_j) b_j, b_j ~ Bernoulli(|x_j|/max) yes      4 + d        all-gather
+    TernGrad()      max|x| sign(x_j) xi_j, xi_j ~ Bernoulli(|x_j|/max) yes    4 + d        all-gather
     ScaledSign()    ||x||_1 / d sign(x)                             no        4 + d        all-gather
     SignSGD()       sign(x); the ranks step with the majority vote  no        d            all-reduce of int8
-                    sign(sum_i sign(g_i))
+                    sign(sum_r sign(g_r))
 
 A biased compressor (top-k, signs) drops the same part of the gradient step after step;
 ``ErrorFeedback`` keeps what was dropped and adds it back to the next step's gradient.
@@ -222,9 +222,9 @@ class QSGD(Compressor):
 
 
 class TernGrad(QSGD):
-    """TernGrad: C(g)_j = m sign(g_j) b_j with m = max_j |g_j| (the paper's s) and b_j ~
-    Bernoulli(|g_j| / m): values in {-m, 0, m}, unbiased, variance m ||g||_1 - ||g||_2^2. QSGD with one level and
-    the max-norm as its scale."""
+    """TernGrad: C(g)_j = ||g||_inf sign(g_j) xi_j with xi_j ~ Bernoulli(|g_j| / ||g||_inf) (the
+    paper's s_t and b_t; b is the micro-batch here): values in {-||g||_inf, 0, ||g||_inf}, unbiased,
+    variance ||g||_inf ||g||_1 - ||g||_2^2. QSGD with one level and the max-norm as its scale."""
 
     norm_order = float("inf")
 
@@ -253,8 +253,8 @@ class ScaledSign(Compressor):
 
 
 class SignSGD(Compressor):
-    """signSGD with majority vote: every rank sends sign(g_i) (int8), the all-reduce sums the
-    votes, every rank steps with sign(sum_i sign(g_i)): d bytes, 2 (N - 1)/N d on the ring.
+    """signSGD with majority vote: every rank r sends sign(g_r) (int8), the all-reduce sums the
+    votes, every rank steps with sign(sum_r sign(g_r)): d bytes, 2 (N - 1)/N d on the ring.
     Biased twice over (the sign, and the vote ignores magnitudes), so it can stall where the
     ranks disagree; the vote sums int8, so at most 127 ranks."""
 

@@ -3,12 +3,12 @@ one step of power iteration per training step, warm-started from the last step's
 
 Each gradient tensor is viewed as a matrix G of n = shape[0] rows and m = numel / n columns
 (as torch's ``powerSGD_hook``; the paper writes M for G and r for R, letters the glossary
-gives to micro-batches and a rank's index). With R' = min(R, n, m), on every rank i:
+gives to micro-batches and a rank's index). With R' = min(R, n, m), on every rank r:
 
-    P_i = G_i Q            (n x R')   all-reduce #1: P = sum_i P_i
+    P_r = G_r Q            (n x R')   all-reduce #1: P = sum_r P_r
     P   = orthogonalize(P)            Gram-Schmidt on its R' columns
-    Q_i = G_i^T P          (m x R')   all-reduce #2: Q = (1/N) sum_i Q_i
-    C(G) = P Q^T           (n x m)    = P P^T mean_i G_i, the mean's projection on P's span
+    Q_r = G_r^T P          (m x R')   all-reduce #2: Q = (1/N) sum_r Q_r
+    C(G) = P Q^T           (n x m)    = P P^T mean_r G_r, the mean's projection on P's span
 
 so (n + m) R' elements travel instead of n m. A tensor is sent uncompressed (with the P's, in
 all-reduce #1) when it has one dimension or compression would not pay:

@@ -5,6 +5,7 @@ it costs, predicted and measured.
     step_prediction(compressor, N, link, ...)                 bytes and predicted step, beside dense
     plot_prediction(rows, ax=None)                            those as bars (and measured steps, if any)
     plot_curves(runs, axes=None, title="")                    loss against steps and against wall time
+    drawn_rows(kind, N, link, ...), caption(...)              what the widget draws, and the line under it
     compression_widget(cluster, ...)                          controls over all of it, and a measured run
 
 The prediction is ``parlab.bench.compression.predicted_step``: the declared compute plus the
@@ -18,21 +19,22 @@ from parlab.compression import FP16, QSGD, ErrorFeedback, Identity, PowerSGD, Ra
 from parlab.runtime.emulation import Link
 from parlab.widgets._common import Feedback, button, import_ipywidgets, log_slider, png, running_cluster, show_static
 
-KINDS = ("fp16", "top-k + EF", "random-k", "QSGD s=4", "scaled sign + EF", "PowerSGD + EF")
+KINDS = ("fp16", "top-k + EF", "random-k", "QSGD q=4", "scaled sign + EF", "PowerSGD + EF")
+ALWAYS_DRAWN = ("top-k + EF", "PowerSGD + EF")  # beside the chosen one, so every control shows its effect
 FIGSIZE = (9, 3.2)
 HIDDEN, DEPTH, COMPUTE_S, STEPS = 256, 2, 0.01, 6
 
 
 def lecture_compressor(kind, budget=0.01, rank=2):
     """A fresh compressor: "dense", or one of ``KINDS``; ``budget`` is k/d for top-k and
-    random-k (0 < budget <= 1), ``rank`` PowerSGD's r."""
+    random-k (0 < budget <= 1), ``rank`` PowerSGD's R."""
     real_number("budget (k/d)", budget, "keep a fraction of the elements between 0 and 1, e.g. 0.01.", above=True)
     if budget > 1:
         raise ValueError(f"budget (k/d) is a fraction of the elements, at most 1; got {budget}.")
     whole_number("rank (R)", rank, "PowerSGD's rank: a whole number such as 2.")
     makers = {
         "dense": Identity, "fp16": FP16, "top-k + EF": lambda: ErrorFeedback(TopK(budget if budget < 1 else 1.0)),
-        "random-k": lambda: RandK(budget if budget < 1 else 1.0), "QSGD s=4": lambda: QSGD(4),
+        "random-k": lambda: RandK(budget if budget < 1 else 1.0), "QSGD q=4": lambda: QSGD(4),
         "scaled sign + EF": lambda: ErrorFeedback(ScaledSign()), "PowerSGD + EF": lambda: ErrorFeedback(PowerSGD(rank)),
     }
     if kind not in makers:
@@ -114,23 +116,19 @@ def compression_widget(cluster, kind="top-k + EF", N=4, bandwidth=10e6, latency=
     step_prediction(kind, N, Link(latency, bandwidth), budget, rank)  # bad input: here, before any control
     widgets = import_ipywidgets()
     if widgets is None:
-        return plot_prediction(step_prediction(kind, N, Link(latency, bandwidth), budget, rank)).figure
+        return plot_prediction(drawn_rows(kind, N, Link(latency, bandwidth), budget, rank)).figure
     from parlab.widgets._common import FIT
 
     choice = widgets.Dropdown(options=KINDS, value=kind, description="compressor", style=FIT)
     fraction = log_slider(budget, -3, 0, "k/d (top-k, random-k)", readout_format=".3g")
-    power_rank = widgets.IntSlider(rank, min=1, max=16, description="PowerSGD rank r", style=FIT)
+    power_rank = widgets.IntSlider(rank, min=1, max=16, description="PowerSGD rank R", style=FIT)
     ranks = widgets.IntSlider(N, min=2, max=64, description="N (ranks, prediction)", style=FIT)
     speed = log_slider(bandwidth, 5, 10, "bandwidth (bytes/s)", readout_format=".3g")
     image, readout, feedback = widgets.Image(format="png"), widgets.HTML(), Feedback()
     state = {"cluster": cluster, "measured": {}}
 
     def rows():
-        # dense, the chosen compressor, and top-k and PowerSGD always, so that each control shows its effect
-        link = Link(latency, speed.value)
-        kinds = list(dict.fromkeys([choice.value, "top-k + EF", "PowerSGD + EF"]))
-        pairs = [step_prediction(kind, ranks.value, link, fraction.value, power_rank.value) for kind in kinds]
-        found = [pairs[0][0]] + [pair[1] for pair in pairs]
+        found = drawn_rows(choice.value, ranks.value, Link(latency, speed.value), fraction.value, power_rank.value)
         for row in found:
             row["measured_s"] = state["measured"].get((row["name"], ranks.value, speed.value))
         return found
@@ -163,8 +161,23 @@ def compression_widget(cluster, kind="top-k + EF", N=4, bandwidth=10e6, latency=
         control.observe(feedback.guard(redraw, "Redrawing the prediction"), names="value")
     measure_button = button("measure on the cluster", feedback.guard(run, "Measuring"))
     redraw()
-    show_static(image.value, f"{kind} against dense at N = {N}, {bandwidth / 1e6:g} MB/s")
+    show_static(image.value, caption(kind, N, bandwidth, budget, rank))
     return widgets.VBox([choice, fraction, power_rank, ranks, speed, measure_button, readout, feedback.box, image])
+
+
+def drawn_rows(kind, N, link, budget=0.01, rank=2):
+    """The rows the widget draws: dense, ``kind``, then each of ``ALWAYS_DRAWN`` not chosen
+    (``step_prediction``'s rows, at the same budget and rank)."""
+    kinds = dict.fromkeys([kind, *ALWAYS_DRAWN])
+    return [step_prediction(kind, N, link, budget, rank)[0]] + [
+        step_prediction(name, N, link, budget, rank)[1] for name in kinds]
+
+
+def caption(kind, N, bandwidth, budget=0.01, rank=2):
+    """The line under the widget's static picture: every compressor it draws, with its budget and rank."""
+    names = [*dict.fromkeys([kind, *ALWAYS_DRAWN])]
+    listed = ", ".join(names[:-1]) + " and " + names[-1]
+    return f"{listed} (k/d = {budget:g}, PowerSGD's R = {rank}) against dense at N = {N}, {bandwidth / 1e6:g} MB/s"
 
 
 def _maker(kind, budget, rank):
