@@ -22,8 +22,9 @@ Step time (``plan_time``), in seconds:
 
     compute   6 Psi B s FLOPs / (N peak efficiency); full recompute: 8 Psi B s (a second
               forward); selective: 6 Psi B s + 4 B s^2 h L (the attention scores' two matrix
-              products again, Q K^T and scores x V, 2 s^2 h FLOPs each per layer and sample: one
-              forward's share of Narayanan et al. 2021 Eq. 3's s / 6h term)
+              products again, Q K^T and scores x V, 2 s^2 h FLOPs each per layer and sample:
+              Korthikanti et al. 2022, Appendix A, whose Eq. 8 sums them to 1 + s/3h where the
+              two products it lists give 1 + 2s/9h)
     tensor    ((4 + 2 full) L / K + e) M ring all-reduces of b s h 16-bit values on t
               ranks: 2 in forward, 2 in backward per layer (Megatron's f and g), 2 more when
               the whole forward is recomputed (selective recompute stays inside a rank's
