@@ -31,6 +31,8 @@ def test_selective_recompute_drops_the_attention_s_s_by_s_items_from_both_bars()
     assert bar_widths(ax, 1) == pytest.approx([nbytes / MIB for nbytes in items.values()])
     assert bar_widths(ax, 0) == pytest.approx([2048 * 4096 * 34 / 4 / MIB])  # sbh 34/t
     assert "TP + SP, selective recompute" in ax.get_title()
+    fp32 = plot_activation_memory(64, 8, 128, 4, value_bytes=4, mask_bytes=4).get_title()
+    assert "(4-byte values, 4-byte masks), the paper's formula" in fp32 and "(2-byte values, 1-byte masks)" in fp32
 
 
 def test_measured_bytes_are_marked_on_their_own_configuration_only():

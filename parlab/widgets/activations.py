@@ -19,7 +19,8 @@ MIB = 2**20
 def plot_activation_memory(s, b, h, a, t=1, sequence_parallel=False, recompute=False, value_bytes=2, mask_bytes=1,
                            measured=None, ax=None):
     """Two horizontal bars in MiB: parlab's layer, its items stacked (``layer_saved_bytes``),
-    and the paper's formula (``korthikanti_bytes``). ``recompute``: False (none), "selective"
+    and the paper's formula (``korthikanti_bytes``, always in 2-byte values and 1-byte masks,
+    which the title says beside parlab's sizes). ``recompute``: False (none), "selective"
     or True ("full"). ``measured``: a list of dicts {"config": {s, b, h, a, t,
     sequence_parallel, recompute, value_bytes, mask_bytes}, "bytes": n, "label": text} from
     real runs; those whose config is the one drawn are marked on parlab's bar (black
@@ -47,8 +48,9 @@ def plot_activation_memory(s, b, h, a, t=1, sequence_parallel=False, recompute=F
     ax.set_xlabel("activation memory of one layer (MiB)")
     mode = "TP + SP" if sequence_parallel else ("TP" if t > 1 else "no TP")
     mode += f", {recompute} recompute" if recompute else ""
-    ax.set_title(f"s = {s}, b = {b}, h = {h}, a = {a}, t = {t}, {mode}: parlab {left:.3g} MiB, formula "
-                 f"{formula / MIB:.3g} MiB ({value_bytes}-byte values, {mask_bytes}-byte masks)", fontsize=10)
+    ax.set_title(f"s = {s}, b = {b}, h = {h}, a = {a}, t = {t}, {mode}\nparlab {left:.3g} MiB ({value_bytes}-byte "
+                 f"values, {mask_bytes}-byte masks), the paper's formula {formula / MIB:.3g} MiB (2-byte values, "
+                 "1-byte masks)", fontsize=10)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     ax.set_xlim(0, max(left, formula / MIB) * 1.1)
     return ax
