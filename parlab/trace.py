@@ -170,7 +170,8 @@ class Timeline:
 
     def plot(self, ax=None, title=None):
         """Draw a Gantt chart: one row per rank, compute spans above, communication below
-        (``plot_timeline``). Returns the axes."""
+        (``plot_timeline``). Returns the axes. Without ``ax``, from a script, the chart is
+        shown (or saved) when the script ends (``show_from_script``)."""
         return plot_timeline(self, ax=ax, title=title)
 
 
