@@ -30,19 +30,19 @@ def rank(stage, phase, r, n_d=4):
 
 
 def test_stage_0_all_reduces_then_steps_everything_everywhere():
-    assert rank(0, 0, 0) == (("w_t",) * 4, ("g_r",) * 4, ("s_t",) * 4)
+    assert rank(0, 0, 0) == (("w",) * 4, ("g_r",) * 4, ("opt",) * 4)
     # rank 1 owns shard 1: the ring reduce-scatter leaves the averaged chunk 1 there
     assert rank(0, 1, 1)[1] == ("partial", "g_avg", "partial", "partial")
-    assert rank(0, 2, 3) == (("w_t",) * 4, ("g_avg",) * 4, ("s_t",) * 4)
-    assert rank(0, 3, 2) == (("w_t+1",) * 4, ("g_avg",) * 4, ("s_t+1",) * 4)
+    assert rank(0, 2, 3) == (("w",) * 4, ("g_avg",) * 4, ("opt",) * 4)
+    assert rank(0, 3, 2) == (("w'",) * 4, ("g_avg",) * 4, ("opt'",) * 4)
 
 
 def test_stage_1_shards_the_optimizer_state_and_keeps_the_full_gradient_buffer():
-    assert rank(1, 0, 1) == (("w_t",) * 4, ("g_r",) * 4, (_, "s_t", _, _))
-    assert rank(1, 1, 0) == (("w_t",) * 4, ("g_avg", "partial", "partial", "partial"), ("s_t", _, _, _))
-    assert rank(1, 2, 2) == (("w_t", "w_t", "w_t+1", "w_t"), ("partial", "partial", "g_avg", "partial"),
-                             (_, _, "s_t+1", _))
-    assert rank(1, 3, 2) == (("w_t+1",) * 4, ("partial", "partial", "g_avg", "partial"), (_, _, "s_t+1", _))
+    assert rank(1, 0, 1) == (("w",) * 4, ("g_r",) * 4, (_, "opt", _, _))
+    assert rank(1, 1, 0) == (("w",) * 4, ("g_avg", "partial", "partial", "partial"), ("opt", _, _, _))
+    assert rank(1, 2, 2) == (("w", "w", "w'", "w"), ("partial", "partial", "g_avg", "partial"),
+                             (_, _, "opt'", _))
+    assert rank(1, 3, 2) == (("w'",) * 4, ("partial", "partial", "g_avg", "partial"), (_, _, "opt'", _))
 
 
 def test_stage_2_never_holds_a_full_gradient():
@@ -50,17 +50,17 @@ def test_stage_2_never_holds_a_full_gradient():
     # rank holds its averaged shard only (the picture once showed every rank's full g_r there)
     assert len(STEP_PHASES[2]) == 3 and "bucket" in STEP_PHASES[2][0]
     assert all("g_r" not in rank(2, phase, r)[1] for phase in range(3) for r in range(4))
-    assert rank(2, 0, 3) == (("w_t",) * 4, (_, _, _, "g_avg"), (_, _, _, "s_t"))
-    assert rank(2, 1, 2) == (("w_t", "w_t", "w_t+1", "w_t"), (_, _, "g_avg", _), (_, _, "s_t+1", _))
-    assert rank(2, 2, 1) == (("w_t+1",) * 4, (_, "g_avg", _, _), (_, "s_t+1", _, _))
+    assert rank(2, 0, 3) == (("w",) * 4, (_, _, _, "g_avg"), (_, _, _, "opt"))
+    assert rank(2, 1, 2) == (("w", "w", "w'", "w"), (_, _, "g_avg", _), (_, _, "opt'", _))
+    assert rank(2, 2, 1) == (("w'",) * 4, (_, "g_avg", _, _), (_, "opt'", _, _))
 
 
 def test_stage_3_gathers_a_unit_only_around_its_forward_and_backward():
     assert [rank(3, phase, 1)[0] for phase in range(5)] == [
-        ("w_t",) * 4, (_, "w_t", _, _), ("w_t",) * 4, (_, "w_t", _, _), (_, "w_t+1", _, _)]
+        ("w",) * 4, (_, "w", _, _), ("w",) * 4, (_, "w", _, _), (_, "w'", _, _)]
     assert [rank(3, phase, 1)[1] for phase in range(5)] == [
         (_,) * 4, (_,) * 4, ("g_r",) * 4, (_, "g_avg", _, _), (_, "g_avg", _, _)]
-    assert [rank(3, phase, 0)[2] for phase in range(5)] == [("s_t", _, _, _)] * 4 + [("s_t+1", _, _, _)]
+    assert [rank(3, phase, 0)[2] for phase in range(5)] == [("opt", _, _, _)] * 4 + [("opt'", _, _, _)]
 
 
 @pytest.mark.parametrize("stage", sorted(STEP_PHASES))
@@ -132,8 +132,8 @@ def test_the_figure_draws_one_cell_per_rank_state_and_shard():
     written = [text.get_text() for text in ax.texts if not text.get_text().startswith("shard")]
     # each rank: 4 parameter shards, 4 gradient shards (stage 1 keeps the buffer), 1 optimizer shard
     assert len(written) == 4 * 9
-    assert written[:9] == [LABELS[label] for label in ("w_t+1", "w_t", "w_t", "w_t", "g_avg", "partial", "partial",
-                                                       "partial", "s_t+1")]
+    assert written[:9] == [LABELS[label] for label in ("w'", "w", "w", "w", "g_avg", "partial", "partial",
+                                                       "partial", "opt'")]
     assert [t.get_text() for t in ax.get_yticklabels()] == [f"rank {r} (owns {r})" for r in range(4)]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["parameters", "gradients", "optimizer state"]
     assert ax.get_title() == "ZeRO stage 1, phase 3/4: optimizer step on the own shard"
@@ -145,8 +145,8 @@ def test_an_empty_shard_is_a_white_cell_without_text():
     assert len(found) == 2 * 3 * 2
     assert found[0, "grads", 1].get_facecolor() == to_rgba("white")
     assert found[0, "params", 1].get_facecolor() == to_rgba("white")
-    assert found[0, "params", 0].get_facecolor() == to_rgba(COLOURS["w_t"])  # rank 0 owns shard 0
-    assert sum(not text.get_text().startswith("shard") for text in ax.texts) == 2 * 2  # w_t and s_t per rank
+    assert found[0, "params", 0].get_facecolor() == to_rgba(COLOURS["w"])  # rank 0 owns shard 0
+    assert sum(not text.get_text().startswith("shard") for text in ax.texts) == 2 * 2  # w and opt per rank
 
 
 def test_plot_zero_steps_draws_every_phase():

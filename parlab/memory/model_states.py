@@ -104,10 +104,11 @@ def ring_communication_seconds(padded_numels, n_d, element_bytes, stage, latency
     """Seconds one step's ring collectives take at ``stage`` in the alpha-beta model, one
     collective after another: ``padded_numels`` lists the flat buffers the step moves (one for
     ZeroDP, one per unit for FSDP; each padded to a multiple of N_d), ``latency`` is alpha (s)
-    and ``bandwidth`` 1/beta (bytes/s). A buffer of P elements makes c collectives (2, or 3 at
-    stage 3: ``communication_volume``), each N_d - 1 messages of one P / N_d chunk:
+    and ``bandwidth`` 1/beta (bytes/s). A buffer of Psi_u elements (a unit's, padded) makes 2
+    collectives, 3 at stage 3 (``communication_volume``), each N_d - 1 messages of one
+    Psi_u / N_d chunk:
 
-        sum over buffers of  c (N_d - 1) (alpha + P / N_d x element_bytes x beta)
+        sum over buffers of  (2 or 3) (N_d - 1) (alpha + Psi_u / N_d x element_bytes x beta)
 
     When alpha is small beside a chunk's time (a bandwidth-bound link), stage 3 takes 1.5 x
     the time of stages 0 to 2, as it moves 1.5 x the bytes; each unit's latency adds to that.

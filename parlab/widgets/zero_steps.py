@@ -13,11 +13,11 @@ rank r owns shard r, the chunk the ring reduce-scatter leaves fully reduced on i
 ``torch.distributed.reduce_scatter`` does). A holding is one label per shard, None where the
 rank does not hold that shard:
 
-    w_t, w_t+1     the parameters before and after the optimizer step
+    w, w'          the parameters before and after the optimizer step
     g_r            the rank's own gradient (of its shard of the batch), not yet averaged
     g_avg          the gradient averaged over the N_d ranks
     partial        what the ring reduce-scatter leaves in the shards a rank does not own
-    s_t, s_t+1     the optimizer state before and after the step
+    opt, opt'      the optimizer state before and after the step
 
 The phases, each drawn as the holdings right after it:
 
@@ -35,7 +35,7 @@ The phases, each drawn as the holdings right after it:
               gathered at a time): all-gather before forward; forward done, full parameters
               freed; all-gather before backward and the unit's backward (its full gradient
               exists only here); reduce-scatter of the gradient, full buffers freed; the
-              optimizer step on the own shard. The next forward gathers w_t+1
+              optimizer step on the own shard. The next forward gathers w'
 
 Stages 0 to 2 send the same bytes: ZeRO moves the optimizer step of stage 0 from after the
 all-reduce to between its two halves, where each rank has the averaged gradient of one shard.
@@ -59,13 +59,13 @@ STEP_PHASES = {
 }
 OPTIMIZER_PHASE = {0: 3, 1: 2, 2: 1, 3: 4}  # the index of the optimizer step in STEP_PHASES
 COLOURS = {  # light before, dark after; each state in the colour memory_bars gives it
-    "w_t": "#aec7e8", "w_t+1": "#1f77b4",
+    "w": "#aec7e8", "w'": "#1f77b4",
     "g_r": "#ffbb78", "g_avg": "#ff7f0e", "partial": "#e6e6e6",
-    "s_t": "#98df8a", "s_t+1": "#2ca02c",
+    "opt": "#98df8a", "opt'": "#2ca02c",
 }
-LABELS = {"w_t": "$w_t$", "w_t+1": "$w_{t+1}$", "g_r": "$g_r$", "g_avg": r"$\bar g$", "partial": "partial",
-          "s_t": "$s_t$", "s_t+1": "$s_{t+1}$"}
-DARK = {"w_t+1", "g_avg", "s_t+1"}  # written in white
+LABELS = {"w": "$w$", "w'": "$w'$", "g_r": "$g_r$", "g_avg": r"$\bar g$", "partial": "partial",
+          "opt": r"$\mathrm{opt}$", "opt'": r"$\mathrm{opt}'$"}
+DARK = {"w'", "g_avg", "opt'"}  # written in white
 MAX_RANKS = 8  # up to 8 rows of 3 x 8 cells stay readable
 
 
@@ -90,13 +90,13 @@ def _rank_holdings(stage, phase, own, n_d):
         return tuple(label if shard == own else elsewhere for shard in range(n_d))
 
     stepped = phase >= OPTIMIZER_PHASE[stage]
-    state = "s_t+1" if stepped else "s_t"
+    state = "opt'" if stepped else "opt"
     if stage == 3:
-        params = everywhere("w_t") if phase in (0, 2) else own_shard("w_t+1" if stepped else "w_t")
+        params = everywhere("w") if phase in (0, 2) else own_shard("w'" if stepped else "w")
         grads = everywhere(None) if phase < 2 else everywhere("g_r") if phase == 2 else own_shard("g_avg")
         return {"params": params, "grads": grads, "optimizer": own_shard(state)}
     if stage == 0:
-        params = everywhere("w_t+1" if stepped else "w_t")
+        params = everywhere("w'" if stepped else "w")
         if phase < 2:
             grads = everywhere("g_r") if phase == 0 else own_shard("g_avg", "partial")
         else:
@@ -104,7 +104,7 @@ def _rank_holdings(stage, phase, own, n_d):
         return {"params": params, "grads": grads, "optimizer": everywhere(state)}
     if stage == 2:
         phase += 1  # its backward ends where stage 1's reduce-scatter does, with the own shard only
-    params = everywhere("w_t") if phase < 2 else own_shard("w_t+1", "w_t") if phase == 2 else everywhere("w_t+1")
+    params = everywhere("w") if phase < 2 else own_shard("w'", "w") if phase == 2 else everywhere("w'")
     grads = everywhere("g_r") if phase == 0 else own_shard("g_avg", "partial" if stage == 1 else None)
     return {"params": params, "grads": grads, "optimizer": own_shard(state)}
 

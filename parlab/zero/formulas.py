@@ -9,22 +9,22 @@ paper's model states at rest.
     offload_bytes_per_step(padded_numel, n_d)              bytes moved each way per step
 
 Symbols: Psi trainable parameters laid end to end in one flat buffer padded to a multiple of
-N_d (padded Psi), a shard padded Psi / N_d elements; e bytes per element (4 in fp32); kappa
-bytes of optimizer state per parameter.
+N_d (padded Psi), a shard padded Psi / N_d elements; E = ``element_bytes`` per element (4 in
+fp32; not the glossary's e, backup workers); kappa bytes of optimizer state per parameter.
 
-Stage 1's gradient peak is its flat gradient, e padded Psi, all the time. Stage 2's, with its
+Stage 1's gradient peak is its flat gradient, E padded Psi, all the time. Stage 2's, with its
 buckets reduce-scattered in order b = 0, 1, ... during backward, each bucket's gradients
 arriving one at a time before the next bucket's (a chain of layers), B_b elements in bucket b
 and G_b in its largest gradient:
 
-    e max( B_0 + max(G_0, padded Psi / N_d),  max over b >= 1 of  B_b + G_b + padded Psi / N_d )
+    E max( B_0 + max(G_0, padded Psi / N_d),  max over b >= 1 of  B_b + G_b + padded Psi / N_d )
 
 bucket b's buffer, the gradient just produced that is being added into it, and the shard's
 averaged gradient, which is allocated in the first reduce-scatter and lives to the next
 ``zero_grad``. A bucket that is one gradient (G_b = B_b) takes that gradient as its buffer:
 G_b counts 0 there. Below stage 1's when every B_b + G_b < (N_d - 1)/N_d padded Psi: buckets
 much smaller than the model. A single bucket for the whole model (B_0 = padded Psi) peaks at
-e (padded Psi + max(G_0, padded Psi / N_d)), above stage 1: its buffer is a whole flat gradient.
+E (padded Psi + max(G_0, padded Psi / N_d)), above stage 1: its buffer is a whole flat gradient.
 """
 
 from parlab import _checks
@@ -34,7 +34,7 @@ from parlab.memory import ModelState
 def stage2_peak_gradient_bytes(buckets, shard_numel, element_bytes=4):
     """The formula above: ``buckets`` lists (B_b, G_b) for each bucket in the order they are
     reduce-scattered, its elements and the elements of its largest gradient; ``shard_numel``
-    is padded Psi / N_d; ``element_bytes`` e."""
+    is padded Psi / N_d; ``element_bytes`` E."""
     buckets = list(buckets)
     if not buckets:
         raise ValueError("buckets is empty: pass (bucket elements, largest gradient elements) for each bucket, "
@@ -57,12 +57,12 @@ def offload_state_bytes(padded_numel, n_d, stage, kappa, element_bytes=4):
     """``ZeroDP(..., stage, offload=True)``'s model states after a step, as (device, host)
     ``ModelState``s (Adam's step counter, one scalar, not counted):
 
-        device  params   e padded Psi                 every rank computes with all of them
-                grads    e padded Psi at stage 1      its flat gradient buffer
+        device  params   E padded Psi                 every rank computes with all of them
+                grads    E padded Psi at stage 1      its flat gradient buffer
                          0 at stage 2                 the shard's gradient went to the host
                 optimizer 0
-        host    params   e padded Psi / N_d           the optimizer's copy of the shard
-                grads    e padded Psi / N_d           its averaged gradient
+        host    params   E padded Psi / N_d           the optimizer's copy of the shard
+                grads    E padded Psi / N_d           its averaged gradient
                 optimizer kappa padded Psi / N_d
     """
     shard = _shard(padded_numel, n_d)
@@ -76,7 +76,7 @@ def offload_state_bytes(padded_numel, n_d, stage, kappa, element_bytes=4):
 
 def offload_bytes_per_step(padded_numel, n_d, element_bytes=4):
     """Bytes that ``ZeroDP(..., offload=True)`` moves per rank and step between device and
-    host: {"gradients to host": b, "parameters to device": b}, b = e padded Psi / N_d (a shard)."""
+    host: {"gradients to host": n, "parameters to device": n}, n = E padded Psi / N_d (a shard)."""
     shard = _shard(padded_numel, n_d)
     e = _checks.whole_number("element_bytes", element_bytes, "pass the bytes of one element, 4 in fp32.")
     return {"gradients to host": e * shard, "parameters to device": e * shard}
