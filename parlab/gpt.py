@@ -13,7 +13,8 @@ output features), and attention reshapes with h/a features per head and as many 
 the tensor it gets: so ``parlab.tensor_parallel`` and torch's ``parallelize_module`` can
 give each rank a/t whole heads by splitting those layers by rows, without changing this code.
 Attention is written out (scores, causal mask, softmax, dropout, times values) so that what
-autograd saves is the paper's list (``parlab.tensor_parallel.activations``).
+autograd saves is Korthikanti et al.'s list (``parlab.tensor_parallel.activations``), the
+(b, a, s, s) tensors included: memory-efficient attention (FlashAttention) never stores those.
 
 ``load_text()`` is a short original text about training in parallel; ``CharDataset`` turns it
 into (input, target) sequences of s characters, the target shifted by one.
