@@ -1,6 +1,6 @@
 # Generated from solutions/async_sgd.py by `python -m parlab.exercises build`.
-# Write your code where it raises NotImplementedError, then run `python -m parlab.grade async_sgd`.
-# parlab-generated sha256=c4a23bc9d24bdaa74a5141a5f0c9a9faaf01709f6f7b5ea8274719fc8af26252
+# Write your code where it raises NotImplementedError, then run `parlab grade async_sgd`.
+# parlab-generated sha256=ae8bf661ffdf3833d2f2e4629a2ba024819e924ffb7aa53c244cfa5e38a737cc
 """Exercise: gossip on a ring, a parameter-server worker that records staleness, and backup
 workers' aggregation (lecture 06).
 
@@ -16,9 +16,9 @@ Three ways to pay less for synchronisation than an all-reduce of every gradient:
 Talk only through ``parlab.p2p`` (``send``, ``recv``, ``isend``, ``irecv``, ``wait_all``), so
 that the grader's trace sees your messages (neighbours with r - 1 and r + 1 taken mod N).
 
-Stuck? ``parlab.hint("async_sgd.gossip_ring_step")`` in a notebook (or ``python -m parlab.grade
---hint async_sgd.gossip_ring_step``) opens a hint, one level at a time. Grade your work with
-``python -m parlab.grade async_sgd`` (or ``parlab.check("async_sgd.gossip_ring_step")``).
+Stuck? ``parlab.hint("async_sgd.gossip_ring_step")`` in a notebook (or ``parlab hint
+async_sgd.gossip_ring_step`` in a terminal) opens a hint, one level at a time. Grade your work
+with ``parlab grade async_sgd`` (or ``parlab.check("async_sgd.gossip_ring_step")``).
 """
 
 import torch

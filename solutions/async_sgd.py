@@ -13,9 +13,9 @@ Three ways to pay less for synchronisation than an all-reduce of every gradient:
 Talk only through ``parlab.p2p`` (``send``, ``recv``, ``isend``, ``irecv``, ``wait_all``), so
 that the grader's trace sees your messages (neighbours with r - 1 and r + 1 taken mod N).
 
-Stuck? ``parlab.hint("async_sgd.gossip_ring_step")`` in a notebook (or ``python -m parlab.grade
---hint async_sgd.gossip_ring_step``) opens a hint, one level at a time. Grade your work with
-``python -m parlab.grade async_sgd`` (or ``parlab.check("async_sgd.gossip_ring_step")``).
+Stuck? ``parlab.hint("async_sgd.gossip_ring_step")`` in a notebook (or ``parlab hint
+async_sgd.gossip_ring_step`` in a terminal) opens a hint, one level at a time. Grade your work
+with ``parlab grade async_sgd`` (or ``parlab.check("async_sgd.gossip_ring_step")``).
 """
 
 import torch

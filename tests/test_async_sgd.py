@@ -7,12 +7,14 @@ SGD with or without backups), within the numerics yardstick where sums run in an
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.distributed.optim import PostLocalSGDOptimizer
+from torch.nn.parallel import DistributedDataParallel
 
 import parlab
 from parlab import numerics, trace
-from parlab.async_sgd import backup, gossip, local_sgd, parameter_server, theory
+from parlab.async_sgd import backup, gossip, local_sgd, parameter_server, theory, training
 from parlab.trace import COMM
 
 D = 5  # weights of the least-squares problems below
@@ -158,6 +160,23 @@ def test_arrival_order_server_records_staleness_and_replays_exactly(cluster4):
         assert logs[w].staleness == [tau for v, tau in zip(logs[0].workers, logs[0].staleness) if v == w]
 
 
+def recorded_server(seconds, updates):
+    return parameter_server.parameter_server(initial_weights(), rank_gradient, 0.05, updates, seconds=seconds,
+                                             record=True)
+
+
+def test_server_periods_are_each_worker_s_time_between_its_gradients(cluster4):
+    log = parameter_server.ServerLog(torch.zeros(1), workers=[1, 2, 1, 2, 1, 3],
+                                     history=[(t, None) for t in (0.0, 0.1, 0.3, 0.2, 0.6, 0.7)])
+    assert log.periods() == pytest.approx({1: 0.3, 2: 0.1})  # worker 3 applied one gradient: no period
+    with cluster4.emulate(devices=parlab.Devices(slowdown={1: 3.0})):
+        periods = cluster4.run(recorded_server, 0.01, 60, timeout=60)[0].periods()
+    assert sorted(periods) == [1, 2, 3] and periods[1] >= 0.03  # worker 1 computes 3 x 10 ms
+    assert all(0.01 <= periods[w] < 0.03 for w in (2, 3))  # the fast ones never wait for it
+    with pytest.raises(ValueError, match="record=True"):
+        cluster4.run(run_parameter_server, 0.05, 5, timeout=60)[0].periods()
+
+
 def clock_gaps(log, updates):
     """For each gradient applied before ``updates``: its worker's pushes applied before it
     minus the fewest of any worker's, i.e. how far ahead of the slowest it ran."""
@@ -232,20 +251,61 @@ def test_backup_workers_use_the_first_n_and_the_late_ones_give_up(cluster):
     assert all(counts.pushed + counts.abandoned == 6 for counts in logs[1:])
 
 
+def test_a_backup_worker_run_at_the_same_n_leaves_the_other_ranks_out_and_follows_its_draws(cluster4):
+    # N = 2, e = 0 on workers 1 and 2 (rank 3 sits out), then N = 2, e = 1 on 1, 2 and 3: one
+    # cluster compares the same batch with and without a backup, as Chen et al. 2016 do
+    draws = {r: backup.exponential_seconds(200, seed=3, rank=r) for r in (1, 2, 3)}
+    for workers in ([1, 2], [1, 2, 3]):
+        logs = cluster4.run(backup.synchronous_sgd, initial_weights(), rank_gradient, 0.05, 5, 2,
+                            backup.exponential_seconds(200, seed=3), workers=workers, timeout=60)
+        assert [log is None for log in logs[1:]] == [r not in workers for r in (1, 2, 3)]
+        assert all(len(used) == 2 for used in logs[0].used)
+        assert torch.equal(logs[0].weights, replay_synchronous(logs[0].used, 0.05))
+        drawn = backup.drawn_step_seconds([draws[w] for w in workers], 2, 5)
+        assert all(step >= seconds for step, seconds in zip(logs[0].step_seconds, drawn))  # no step beats its draw
+        # the used workers are the two whose draws were smallest (a tie of draws is not possible)
+        for k, used in enumerate(logs[0].used):
+            assert used == sorted(sorted(workers, key=lambda w: draws[w](k))[:2]), k
+    with pytest.raises(parlab.RankError, match="leave the server out of workers"):
+        cluster4.run(backup.synchronous_sgd, initial_weights(), rank_gradient, 0.05, 1, workers=[0, 1], timeout=60)
+
+
+def test_drawn_step_seconds_is_the_use_th_smallest_draw_of_each_step():
+    draws = [lambda k: [3, 1][k], lambda k: [1, 5][k], lambda k: [2, 2][k]]
+    assert backup.drawn_step_seconds(draws, 1, 2) == [1, 1]
+    assert backup.drawn_step_seconds(draws, 2, 2) == [2, 2]
+    assert backup.drawn_step_seconds(draws, 3, 2) == [3, 5]
+    with pytest.raises(ValueError, match="use = 4 gradients per step needs as many workers"):
+        backup.drawn_step_seconds(draws, 4, 2)
+
+
 # --- local SGD ------------------------------------------------------------------------------
 
 
-def local_sgd_on_ranks(averager_name):
+def local_sgd_on_ranks(engine, synchronous_warmup=False):
+    """Local SGD for 8 steps, H = 4 after 2 warm-up steps, with parlab's averager or torch's
+    ``PeriodicModelAverager``. ``synchronous_warmup``: post-local SGD, the warm-up's gradients
+    all-reduced, by ``average_gradients`` or by torch's DDP with ``post_localSGD_hook`` (each
+    rank its own node: a subgroup of one)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
-    averager = (local_sgd.PeriodicAverager(4, 2) if averager_name == "parlab"
-                else PeriodicModelAverager(period=4, warmup_steps=2))
+    forward = model
+    if engine == "torch":
+        averager = PeriodicModelAverager(period=4, warmup_steps=2)
+        if synchronous_warmup:
+            subgroup, _ = dist.new_subgroups(group_size=1)
+            forward = DistributedDataParallel(model)
+            forward.register_comm_hook(PostLocalSGDState(None, subgroup, start_localSGD_iter=2), post_localSGD_hook)
+    else:
+        averager = local_sgd.PeriodicAverager(4, 2)
     optimizer = PostLocalSGDOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), averager)
     history = []
     for step in range(8):
         x, y = local_batch(dist.get_rank(), step)
         optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.functional.mse_loss(forward(x), y).backward()
+        if synchronous_warmup and engine == "parlab" and averager.in_warmup:
+            local_sgd.average_gradients(model.parameters())
         optimizer.step()
         history.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
     return history
@@ -300,3 +360,67 @@ def test_local_sgd_all_reduces_only_at_the_averaging_steps(cluster4):
     timeline = cluster4.trace(local_sgd_on_ranks, "parlab", timeout=60)
     d, N = 4, 4  # Linear(3, 1): 3 weights and a bias; a ring moves 2 (N - 1) chunks of d / N = 1 value
     assert timeline.bytes_sent() == [2 * 2 * (N - 1) * (d // N) * 4] * N
+
+
+def test_post_local_sgd_s_warm_up_is_synchronous_as_torch_s_hook_makes_it(cluster):
+    if cluster.world_size == 8:
+        pytest.skip("DDP's own threads on 8 ranks of 2 cores: 2 and 4 ranks show it")
+    N = cluster.world_size
+    ours = cluster.run(local_sgd_on_ranks, "parlab", True, timeout=60)
+    torchs = cluster.run(local_sgd_on_ranks, "torch", True, timeout=60)
+    for step in range(8):  # identical replicas after the two warm-up steps and the averagings after 3 and 7
+        agree = all(torch.equal(ours[r][step], ours[0][step]) for r in range(N))
+        assert agree == (step + 1 in (1, 2, 3, 7)), step
+        assert all(torch.equal(torchs[r][step], torchs[0][step]) for r in range(N)) == agree
+    band = 64 * torch.finfo(torch.float32).eps * ours[0][-1].abs().max().item()  # sums in other orders, 8 steps
+    assert (ours[0][-1] - torchs[0][-1]).abs().max().item() <= band
+    if N == 2:  # a sum of two terms has one order: the same bits as torch's
+        assert torch.equal(ours[0][-1], torchs[0][-1])
+
+
+def test_average_gradients_all_reduces_the_gradients_once(cluster4):
+    def run():
+        model = torch.nn.Linear(3, 1)
+        for p in model.parameters():
+            p.grad = torch.full_like(p, float(dist.get_rank()))
+        local_sgd.average_gradients(model.parameters())
+        return [p.grad.clone() for p in model.parameters()]
+
+    timeline = cluster4.trace(run, timeout=60)
+    assert all(torch.equal(g, torch.full_like(g, 1.5)) for grads in timeline.results for g in grads)
+    assert timeline.bytes_sent() == [2 * 3 * 1 * 4] * 4  # one ring of d = 4 values: 2 (N - 1) chunks of 1
+
+
+def test_the_averager_is_in_its_warm_up_for_warmup_steps_calls():
+    averager = local_sgd.PeriodicAverager(4, 2)
+    warm = []
+    for _ in range(4):
+        warm.append(averager.in_warmup)
+        averager.step += 1
+    assert warm == [True, True, False, False]
+
+
+def test_longest_waits_find_where_fast_ranks_wait_for_a_slow_one(cluster4):
+    problem = training.LeastSquares(d=8, seconds=0.01)
+    with cluster4.emulate(link=parlab.Link(latency=1e-3, bandwidth=1e9), devices=parlab.Devices(slowdown={3: 3.0})):
+        timeline = cluster4.trace(training.train, "sync", problem, 3, timeout=60)
+    waits = training.longest_waits(timeline.window("step"))
+    assert [rank for rank, *_ in waits] == [0, 1, 2, 3]
+    for rank, op, k, peer, seconds in waits:
+        assert op in ("send", "isend", "recv", "irecv") and k >= 1 and peer in range(4)
+        if rank != 3:  # a fast rank waits about 2 t_c (20 ms) for rank 3's gradient: at least half of it
+            assert seconds >= 0.01, (rank, op, k, seconds)
+    assert waits[3][4] < 0.01  # rank 3 itself waits for nobody that long
+
+
+def test_a_send_completed_during_a_receive_is_not_counted_as_a_second_wait():
+    # a ring step: post the send, receive (blocked on the slow rank), then wait for the send,
+    # which gloo had completed meanwhile: the wait is the receive's (times in ns)
+    ms = 1_000_000
+    events = [(0, COMM, "isend", 25 * ms, 67 * ms, 1, 8, None, None),
+              (0, COMM, "recv", 27 * ms, 66 * ms, 3, 8, None, None),
+              (1, COMM, "recv", 20 * ms, 25 * ms, 0, 8, None, None),
+              (1, COMM, "isend", 21 * ms, 60 * ms, 2, 8, None, None)]
+    waits = training.longest_waits(trace.Timeline(events, 2))
+    assert [(rank, op, k, peer) for rank, op, k, peer, _ in waits] == [(0, "recv", 1, 3), (1, "isend", 1, 2)]
+    assert [seconds for *_, seconds in waits] == pytest.approx([0.039, 0.035])

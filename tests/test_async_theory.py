@@ -52,6 +52,19 @@ def test_one_peer_exponential_averages_exactly_after_log2_n_rounds(N):
     assert all(torch.equal(x[0], mean) for x in xs)
 
 
+@pytest.mark.parametrize("N", [3, 5, 6, 7, 12])
+def test_one_peer_exponential_never_averages_exactly_when_n_is_not_a_power_of_two(N):
+    period = gossip.one_peer_period(N)
+    assert gossip.one_peer_rounds(N) == math.ceil(math.log2(N))
+    assert gossip.rho(period) > 0.1  # 0.2165 at N = 6: far from the exact average, not a rounding
+    xs = [torch.tensor([float(r)], dtype=torch.float64) for r in range(N)]
+    for t in range(4 * gossip.one_peer_rounds(N)):  # four periods
+        xs = gossip.gossip_all(gossip.one_peer_exponential(N, t), xs)
+    assert gossip.consensus_distance(xs) > 0
+    for M in (2, 4, 8, 16, 32):
+        assert torch.equal(gossip.one_peer_period(M), torch.full((M, M), 1 / M, dtype=torch.float64))
+
+
 def test_consensus_distance_shrinks_by_rho_squared_per_mixing_step():
     torch.manual_seed(0)
     W = gossip.ring(8)
@@ -79,6 +92,22 @@ def test_delayed_gradient_descent_is_stable_below_the_cosine_threshold(tau, thre
     diverging = theory.delayed_gd(1.02 * theory.stability_threshold(tau), tau, steps)
     assert max(abs(x) for x in converging[-tau - 1:]) < 0.5
     assert max(abs(x) for x in diverging[-tau - 1:]) > 1.5
+
+
+def test_expected_staleness_counts_the_others_gradients_during_one_period():
+    assert theory.expected_staleness([0.06, 0.02, 0.02]) == pytest.approx([6, 4 / 3, 4 / 3])
+    with_trip = theory.expected_staleness([0.062, 0.022, 0.022])  # a 2 ms round trip on every period
+    assert with_trip[0] < 6 and with_trip[1] > 4 / 3  # the slow worker's tau falls, the fast ones' rises
+    assert theory.expected_staleness([1.0] * 4) == [3.0] * 4
+    with pytest.raises(ValueError, match="period"):
+        theory.expected_staleness([0.02, 0])
+
+
+def test_mean_and_error_is_the_mean_and_the_sample_deviation_over_root_n():
+    mean, error = theory.mean_and_error([1.0, 2.0, 3.0, 4.0])
+    assert mean == 2.5 and error == pytest.approx(math.sqrt(5 / 3) / 2)
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        theory.mean_and_error([1.0])
 
 
 def test_backup_workers_expected_step_time_matches_a_monte_carlo_order_statistic():

@@ -51,17 +51,22 @@ class WorkerCounts:
     abandoned: int = 0
 
 
-def synchronous_sgd(weights, gradient, lr, steps, use=None, seconds=0.0, server=0):
+def synchronous_sgd(weights, gradient, lr, steps, use=None, seconds=0.0, server=0, workers=None):
     """Synchronous SGD through rank ``server``, using the first ``use`` gradients of each step
     (default: all workers). gradient(w, step) -> g (d,); ``seconds``: a worker's declared
     compute time per gradient, a number or a function of (step) (e.g. ``exponential_seconds``),
-    scaled by the cluster's emulated devices. Returns a ``SyncLog`` on the server and
+    scaled by the cluster's emulated devices. ``workers``: the ranks that work (default: all
+    but the server); any other rank sits the run out and returns None, so one cluster can
+    compare N = 2, e = 0 with N = 2, e = 1. Returns a ``SyncLog`` on the server and
     ``WorkerCounts`` on a worker."""
     N = dist.get_world_size()
     server = check_rank("server", server, N, "pick the rank that holds the weights, e.g. 0.")
-    workers = [r for r in range(N) if r != server]
-    if not workers:
-        raise ValueError("synchronous_sgd needs a server and at least one worker: run it on 2 ranks or more.")
+    if workers is None:
+        workers = [r for r in range(N) if r != server]
+    workers = sorted({check_rank("a worker", w, N, "name ranks of this cluster.") for w in workers})
+    if not workers or server in workers:
+        raise ValueError(f"synchronous_sgd needs a server and at least one worker that is not the server (rank "
+                         f"{server}): run it on 2 ranks or more, and leave the server out of workers.")
     use = len(workers) if use is None else whole_number(
         "use (N, gradients per step)", use, f"use at most the {len(workers)} workers; e = workers - use are backups.")
     if use > len(workers):
@@ -72,6 +77,8 @@ def synchronous_sgd(weights, gradient, lr, steps, use=None, seconds=0.0, server=
     seconds_of = seconds if callable(seconds) else (lambda step: seconds)
     if dist.get_rank() == server:
         return _serve(flat.clone(), workers, lr, steps, use)
+    if dist.get_rank() not in workers:
+        return None
     return _work(gradient, server, flat.numel(), flat.dtype, seconds_of)
 
 
@@ -143,12 +150,25 @@ def _mean(gradients):
     return total / len(gradients)
 
 
-def exponential_seconds(rate, seed=0):
+def exponential_seconds(rate, seed=0, rank=None):
     """A compute time for ``synchronous_sgd``'s ``seconds``: exponential with ``rate`` lambda
-    (mean 1/lambda), drawn i.i.d. per (seed, rank, step), so a run is reproducible."""
+    (mean 1/lambda), drawn i.i.d. per (seed, rank, step), so a run is reproducible. ``rank``:
+    whose draws (default: the calling rank's), so the parent can recompute a run's draws."""
     rate = real_number("rate (lambda, per second)", rate, "e.g. rate=50 for a mean of 20 ms.", above=True)
 
     def seconds(step):
-        return random.Random(f"{seed}/{dist.get_rank()}/{step}").expovariate(rate)
+        return random.Random(f"{seed}/{dist.get_rank() if rank is None else rank}/{step}").expovariate(rate)
 
     return seconds
+
+
+def drawn_step_seconds(draws, use, steps):
+    """The compute part of each of ``steps`` steps that use the first ``use`` gradients of
+    workers whose compute times are ``draws`` (one function of the step per worker, e.g.
+    ``exponential_seconds(rate, seed, rank=r)``): the use-th smallest draw of each step. Its
+    mean over many steps is (Hn(N + e) - Hn(e)) / lambda; over one run it is that run's own
+    sample of the order statistic."""
+    use = whole_number("use (N, gradients per step)", use, f"use 1 to {len(draws)} workers.")
+    if use > len(draws):
+        raise ValueError(f"use = {use} gradients per step needs as many workers; there are {len(draws)}.")
+    return [sorted(draw(k) for draw in draws)[use - 1] for k in range(steps)]

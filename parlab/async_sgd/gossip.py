@@ -14,14 +14,20 @@ agree on average. How far they are from agreeing is the consensus distance
     Xi = (1/N) sum_r ||x_r - x_bar||^2,
 
 which one mixing step without gradients shrinks at least by rho^2, rho = ||W - 11^T/N||_2 (the
-spectral norm; the second-largest |eigenvalue| for a symmetric W). Graphs (``mixing_matrix``):
+spectral norm; the second-largest |eigenvalue| for a symmetric W). Papers differ in the letter:
+some write rho or beta for this norm, others work with its square (the consensus distance's
+factor per step, 1 - p in Koloskova et al.'s notation). Graphs (``mixing_matrix``):
 
 - ring: (x_{r-1} + x_r + x_{r+1}) / 3. rho = (1 + 2 cos(2 pi / N)) / 3: 1/3 at N = 4, 0.9493 at 16;
 - torus (2-D, rows x cols): self and 4 neighbours, 1/5 each: rho 0.4 (3 x 3), 0.6 (4 x 4);
 - exponential (static): r hears from r + 2^0, r + 2^1, ... (log2 N of them at N a power of 2),
-  all weights 1/(1 + log2 N): rho = 1 - 2/(1 + log2 N);
-- one-peer exponential: at round t, r averages with r + 2^(t mod log2 N) only, weights 1/2.
-  One message per step; log2 N rounds average exactly (W_{log2 N - 1} ... W_0 = 11^T/N).
+  all weights 1/(1 + log2 N): rho = 1 - 2/(1 + log2 N) at N a power of 2. It still creeps
+  towards 1 as N grows: 1 - rho shrinks like 1/log2 N, where the ring's shrinks like 1/N^2;
+- one-peer exponential: at round t, r averages with r + 2^(t mod p) only, weights 1/2, over a
+  period of p = ceil(log2 N) rounds. One message per step. When N is a power of 2, one period
+  averages exactly: W_{p-1} ... W_0 = 11^T/N (Ying et al. 2021). For any other N it never
+  does (``one_peer_period``: at N = 6 a period multiplies the disagreement by up to
+  rho = 0.2165, and never by 0).
 
 A neighbour that appears twice (the ring at N = 2, a torus 2 wide) adds its weights: one
 message, weight 2/3. Seeds and papers write n for N, and the ring all-reduce's latency term
@@ -80,12 +86,28 @@ def one_peer_exponential(N, round):
     N = _ranks(N)
     round = whole_number("round", round, "rounds count steps from 0.", minimum=0)
     W = torch.zeros(N, N, dtype=torch.float64)
-    hops = max(math.ceil(math.log2(N)), 1)
-    hop = 2 ** (round % hops) % N
+    hop = 2 ** (round % one_peer_rounds(N)) % N
     for r in range(N):
         W[r, r] += 1 / 2
         W[r, (r + hop) % N] += 1 / 2
     return W
+
+
+def one_peer_rounds(N):
+    """p = ceil(log2 N): the rounds of one period of the one-peer exponential graph (1 at N = 1)."""
+    return max(math.ceil(math.log2(_ranks(N))), 1)
+
+
+def one_peer_period(N):
+    """The product W_{p-1} ... W_0 of one period of the one-peer exponential graph, p =
+    ceil(log2 N) rounds (float64, N x N): 11^T/N exactly when N is a power of 2, so rho of
+    it is 0; another N leaves rho > 0 after every period, and the graph never averages
+    exactly. Multiplying by 1/2 is exact in binary, so a power of 2 gives exact zeros."""
+    N = _ranks(N)
+    product = torch.eye(N, dtype=torch.float64)
+    for t in range(one_peer_rounds(N)):
+        product = one_peer_exponential(N, t) @ product
+    return product
 
 
 def mixing_matrix(topology, N, round=0):

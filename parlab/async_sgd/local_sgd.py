@@ -15,8 +15,14 @@ calls (one per optimizer step); the call with counter c averages when c >= warmu
 (c - warmup_steps) is a multiple of H. With H = 4 and 2 warm-up steps, optimizer steps 3, 7,
 11, ... average (counting from 1). It is a drop-in averager for torch's
 ``PostLocalSGDOptimizer``, which calls ``average_parameters(params=param_groups)`` after
-each optimizer step. (Torch's post-local SGD also all-reduces gradients during the warm-up,
-through DDP's ``post_localSGD_hook``; without DDP the warm-up steps are local.)
+each optimizer step.
+
+Post-local SGD (Lin et al. 2018) is synchronous during the warm-up: torch runs it as DDP with
+``post_localSGD_hook``, which all-reduces the gradients of every step before
+``start_localSGD_iter`` (= the averager's ``warmup_steps``). Without DDP, do the same with
+``average_gradients`` while ``in_warmup``. After the warm-up torch's hook by default keeps
+all-reducing gradients inside each node (``post_local_gradient_allreduce=True``, a subgroup per
+node) and the averager averages the nodes' models every H steps; here a rank plays a node.
 
 The average is parlab's ring all-reduce of all parameters flattened into one buffer, each
 divided by N first, as torch's ``average_parameters`` does: 2 (N - 1) messages of d/N
@@ -45,6 +51,12 @@ class PeriodicAverager:
         """Whether the next call of ``average_parameters`` averages."""
         return self.step >= self.warmup_steps and (self.step - self.warmup_steps) % self.period == 0
 
+    @property
+    def in_warmup(self):
+        """Whether the next optimizer step is a warm-up step (before any averaging): the steps
+        whose gradients post-local SGD all-reduces."""
+        return self.step < self.warmup_steps
+
     def average_parameters(self, params):
         """Average ``params`` (parameters, or an optimizer's parameter groups) over the ranks
         if the schedule says so, then count the call."""
@@ -56,16 +68,29 @@ class PeriodicAverager:
 def average_parameters(params):
     """Replace each parameter by its mean over the N ranks: one ring all-reduce of the
     parameters flattened and divided by N. ``params``: tensors or parameter groups."""
-    tensors = list(_parameters(params))
+    _average([p.detach() for p in _parameters(params)])
+
+
+def average_gradients(params):
+    """Replace each parameter's gradient by its mean over the N ranks (one ring all-reduce,
+    as DDP does every step): post-local SGD's warm-up. Call it between backward and the
+    optimizer step. ``params``: tensors or parameter groups; those without a gradient are
+    left out."""
+    _average([p.grad for p in _parameters(params) if p.grad is not None])
+
+
+def _average(tensors):
+    """Each tensor replaced, in place, by its mean over the ranks: flattened into one buffer,
+    divided by N, one ring all-reduce."""
     if not tensors:
         return
-    flat = torch.cat([p.detach().reshape(-1) for p in tensors])  # (d,)
+    flat = torch.cat([t.reshape(-1) for t in tensors])  # (d,)
     flat /= dist.get_world_size()
     collectives.ring_allreduce(flat, check=False)
     offset = 0
-    for p in tensors:
-        p.detach().copy_(flat[offset:offset + p.numel()].view_as(p))
-        offset += p.numel()
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def averaging_steps(steps, period, warmup_steps=0):

@@ -59,6 +59,16 @@ class ServerLog:
     workers: list = field(default_factory=list)
     history: list = field(default_factory=list)
 
+    def periods(self):
+        """{worker: its mean seconds between two of its applied gradients}, its period from
+        pull to push as the server saw it (needs ``record``, and two gradients per worker)."""
+        if len(self.history) != len(self.workers):
+            raise ValueError("periods need the time of every update: run the server with record=True.")
+        times = {}
+        for worker, (seconds, _) in zip(self.workers, self.history):
+            times.setdefault(worker, []).append(seconds)
+        return {w: (t[-1] - t[0]) / (len(t) - 1) for w, t in sorted(times.items()) if len(t) > 1}
+
 
 @dataclass
 class WorkerLog:

@@ -6,8 +6,20 @@ the linear recurrence x_{t+1} = x_t - gamma mu x_{t - tau}, stable iff
 
     0 < gamma mu < 2 cos(tau pi / (2 tau + 1))        (2, 1, 0.6180, 0.4450, 0.3473 for tau = 0..4)
 
-(the roots of z^{tau+1} - z^tau + gamma mu = 0 stay inside the unit circle up to that bound).
-So staleness forces a smaller step: about gamma mu < pi / (2 tau) for large tau.
+(the roots of z^{tau+1} - z^tau + gamma mu = 0 stay inside the unit circle up to that bound;
+Levin & May 1976, and Kuruklis 1994's criterion for y_{n+1} - a y_n + b y_{n-k} = 0 at a = 1).
+So staleness forces a smaller step: 2 cos(tau pi / (2 tau + 1)) = 2 sin(pi / (2 (2 tau + 1))),
+about pi / (2 tau + 1) for large tau.
+
+Staleness of a parameter server. A worker whose gradient takes P_w seconds from pull to
+push (its compute plus a round trip to the server) sees, while it computes, the gradients
+that every other worker o applies at the rate 1/P_o: on average
+
+    tau_w = sum over o != w of P_w / P_o                 (``expected_staleness``)
+
+With 3 workers of periods 3 t_c, t_c, t_c: tau = 6 for the slow one, 1 + 1/3 for a fast one.
+A round trip delta added to every period moves the fast workers' tau up and the slow one's
+down, towards N_w - 1 (every worker alike).
 
 Backup workers. A synchronous step waits for its slowest worker. Run N + e workers and use
 the first N gradients: with i.i.d. exponential compute times of rate lambda, the N-th
@@ -45,6 +57,23 @@ def delayed_gd(gamma_mu, tau, steps, x0=1.0):
     for t in range(steps):
         xs.append(xs[t] - gamma_mu * xs[max(t - tau, 0)])
     return xs
+
+
+def expected_staleness(periods):
+    """The mean staleness of each worker of an asynchronous parameter server whose workers
+    take ``periods`` (seconds from pull to push, one per worker): tau_w = sum over o != w of
+    P_w / P_o. Returns a list, one per worker."""
+    periods = [real_number("period (seconds per gradient)", p, "e.g. 0.02.", above=True) for p in periods]
+    return [sum(p / q for j, q in enumerate(periods) if j != i) for i, p in enumerate(periods)]
+
+
+def mean_and_error(samples):
+    """(mean, standard error of the mean) of a list of numbers: sample standard deviation / sqrt(n)."""
+    n = len(samples)
+    if n < 2:
+        raise ValueError(f"a standard error needs at least 2 samples, got {n}.")
+    mean = math.fsum(samples) / n
+    return mean, math.sqrt(math.fsum((x - mean) ** 2 for x in samples) / (n - 1) / n)
 
 
 def harmonic(n):

@@ -126,6 +126,26 @@ def time_exchange(kind, numel, repeats):
     return (time.perf_counter() - start) / repeats
 
 
+def longest_waits(step):
+    """Where each rank waited longest in ``step`` (a Timeline of one step, e.g.
+    ``timeline.window("step")``): [(rank, op, k, peer, seconds)], k counting that rank's events
+    of that op in the step from 1. An event's wait is the part of it after the rank's previous
+    communication event ended: a ring step posts a send, receives, then waits for the send, so
+    a send that completed during the receive does not count the receive's wait again."""
+    waits = []
+    for rank in range(step.world_size):
+        events = step.select(rank=rank, kind=trace.COMM)
+        waited, previous_end = {}, float("-inf")
+        for ev in sorted(events, key=lambda ev: ev.end):
+            waited[ev] = ev.end - max(ev.start, previous_end)
+            previous_end = ev.end
+        if waited:
+            longest = max(events, key=waited.get)
+            k = [ev for ev in events if ev.name == longest.name].index(longest) + 1
+            waits.append((rank, longest.name, k, longest.peer, waited[longest]))
+    return waits
+
+
 def curve_of(results, problem):
     """From every rank's records: [(seconds since the start, step, loss at the mean of the
     replicas)]; a step's time is the last rank's (the async server's own records)."""

@@ -5,11 +5,13 @@ size, and how fast gossip on a graph reaches agreement.
     plot_stability_region(tau, gamma_mu, ax=None)       the stable gamma mu against tau, and the point
     stability_widget(tau, gamma_mu)                     sliders tau and gamma mu over both
     plot_gossip(topology, N, steps, axes=None)         values mixing, and the consensus distance against rho^2t
-    gossip_widget(topology, N)                         a topology and N over plot_gossip
+    gossip_widget(topology, N)                         a topology and N over plot_gossip, rho in the readout
 
 The figures draw ``parlab.async_sgd.theory`` (the threshold 2 cos(tau pi / (2 tau + 1)) and the
 recurrence x_{t+1} = x_t - gamma mu x_{t - tau}) and ``parlab.async_sgd.gossip`` (the mixing
-matrices, rho, the consensus distance).
+matrices, rho, the consensus distance). The one-peer exponential graph changes W every round:
+its rho is that of one period of ceil(log2 N) rounds, 0 (the exact average) only when N is a
+power of 2.
 """
 
 import torch
@@ -107,23 +109,35 @@ def stability_widget(tau=2, gamma_mu=0.6):
 
 
 def gossip_run(topology, N, steps):
-    """One-process gossip from x_r = r: (values [step][rank], consensus distances [step], rho
-    of the first round's W). The one-peer exponential graph changes W every round."""
+    """One-process gossip from x_r = r: (values [step][rank], consensus distances [step], rho,
+    period). A static graph's rho bounds every step (period 1); the one-peer exponential
+    graph changes W every round, so its rho is that of one period of p = ceil(log2 N) rounds
+    (``gossip.one_peer_period``: 0 when N is a power of 2, the exact average)."""
     xs = [torch.tensor([float(r)], dtype=torch.float64) for r in range(N)]
     values, distances = [[x.item() for x in xs]], [gossip.consensus_distance(xs)]
     for t in range(steps):
         xs = gossip.gossip_all(gossip.mixing_matrix(topology, N, round=t), xs)
         values.append([x.item() for x in xs])
         distances.append(gossip.consensus_distance(xs))
-    return values, distances, gossip.rho(gossip.mixing_matrix(topology, N))
+    return (values, distances, *contraction(topology, N))
+
+
+def contraction(topology, N):
+    """(rho, period): a static graph's rho per step, or the one-peer exponential graph's rho
+    of one period of p = ceil(log2 N) rounds, and p."""
+    if topology == "one-peer exponential":
+        return gossip.rho(gossip.one_peer_period(N)), gossip.one_peer_rounds(N)
+    return gossip.rho(gossip.mixing_matrix(topology, N)), 1
 
 
 def plot_gossip(topology, N, steps=20, axes=None):
     """Left: each rank's value over the steps of gossip from x_r = r, converging to the mean
-    (N - 1)/2. Right: the consensus distance (log scale) against Xi_0 rho^(2t). Returns the axes."""
+    (N - 1)/2. Right: the consensus distance (log scale) against its bound Xi_0 rho^(2t)
+    (per period for the one-peer graph; a line where one period averages exactly). Returns
+    the axes."""
     import matplotlib.pyplot as plt
 
-    values, distances, rho = gossip_run(topology, N, steps)
+    values, distances, rho, period = gossip_run(topology, N, steps)
     if axes is None:
         _, axes = plt.subplots(1, 2, figsize=FIGSIZE, layout="constrained")
     left, right = axes
@@ -135,14 +149,32 @@ def plot_gossip(topology, N, steps=20, axes=None):
     left.set_title(f"{topology}, N = {N}: every rank's value", fontsize=10)
     positive = [(t, d) for t, d in enumerate(distances) if d > 1e-30]
     right.semilogy([t for t, _ in positive], [d for _, d in positive], "o-", ms=3, label="measured")
-    right.semilogy(range(steps + 1), [distances[0] * rho ** (2 * t) for t in range(steps + 1)], "k--", lw=1,
-                   label=f"Xi_0 rho^(2t), rho = {rho:.4f}")
+    if rho == 0:
+        right.axvline(period, color="black", ls="--", lw=1, label=f"exact average after {period} rounds")
+    else:
+        ts = range(0, steps + 1, period)
+        per = "" if period == 1 else f" (one period of {period} rounds)"
+        right.semilogy(ts, [distances[0] * rho ** (2 * t // period) for t in ts], "k--", lw=1,
+                       label=f"Xi_0 rho^(2t{'' if period == 1 else f'/{period}'}), rho = {rho:.4f}{per}")
     right.set_ylim(bottom=max(min(d for _, d in positive) / 10, 1e-20))
     right.set_xlabel("step t")
     right.set_ylabel("consensus distance Xi")
     right.legend(fontsize=8)
     right.set_title("consensus distance", fontsize=10)
     return axes
+
+
+def mixing_summary(topology, N):
+    """The readout's sentence: rho (per period for the one-peer graph, saying whether it
+    averages exactly) and the messages each rank sends per step."""
+    W = gossip.mixing_matrix(topology, N)
+    sends = int((W[:, 0] != 0).sum().item()) - 1
+    rho, period = contraction(topology, N)
+    summary = f"rho = <b>{rho:.4f}</b>"
+    if period > 1:
+        exact = "the exact average: N is a power of 2" if rho == 0 else "never exact: N is not a power of 2"
+        summary = f"one period of {period} rounds: {summary} ({exact})"
+    return f"{summary}; each rank sends {sends} message(s) per step"
 
 
 def gossip_widget(topology="ring", N=8):
@@ -161,9 +193,7 @@ def gossip_widget(topology="ring", N=8):
 
     def redraw(_=None):
         image.value = png(lambda ax: plot_gossip(graph.value, ranks.value, axes=_pair(ax)), FIGSIZE)
-        W = gossip.mixing_matrix(graph.value, ranks.value)
-        sends = int((W[:, 0] != 0).sum().item()) - 1
-        readout.value = f"rho = <b>{gossip.rho(W):.4f}</b>; each rank sends {sends} message(s) per step"
+        readout.value = mixing_summary(graph.value, ranks.value)
 
     for control in (graph, ranks):
         control.observe(feedback.guard(redraw, "Redrawing gossip"), names="value")

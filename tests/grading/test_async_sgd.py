@@ -3,9 +3,11 @@ backup workers' aggregation (``async_sgd.py``).
 
 Gossip values are integers, so every order of the sum is exact; the one freedom left is
 dividing by 3 or multiplying by 1/3, which differ by at most an ulp or two (the band below).
-The worker runs against parlab's own server (``parlab.async_sgd.parameter_server.serve``),
-whose log a one-process replay turns into the weights exactly: a push with the wrong
-version, gradient or layout changes them.
+A wrong value is compared with the classic wrong steps (a neighbour or x_r left out, / 2, the
+gradient's sign or point) so the reason names the likely mistake. The worker runs against
+parlab's own server (``parlab.async_sgd.parameter_server.serve``), whose log a one-process
+replay turns into the weights exactly: a push with the wrong version, gradient or layout
+changes them.
 """
 
 import pytest
@@ -50,17 +52,54 @@ def check_gossip(cluster, impl, with_gradient):
     band = 8 * torch.finfo(torch.float32).eps * max(e.abs().max().item() for e in expected)  # / 3 or * (1/3)
     mean_before, mean_after = torch.stack(before).mean(0), torch.stack(got).mean(0)
     if not with_gradient and not torch.allclose(mean_after, mean_before, rtol=0, atol=band):
-        pytest.fail(f"{N} ranks: the mean over ranks changed from {mean_before.tolist()} to {mean_after.tolist()}: "
+        mistake = likely_gossip_mistake(got[0], before, 0, with_gradient, band)
+        pytest.fail(f"{N} ranks: the mean over ranks changed from {numbers(mean_before)} to {numbers(mean_after)}: "
                     "a gossip step must keep it, so the weights of x_(r-1), x_r and x_(r+1) must sum to 1 "
-                    "(1/3 each); check your weights")
+                    f"(1/3 each); {mistake or 'check your weights'}")
     for r in range(N):
-        difference = (got[r] - expected[r]).abs().max().item()
-        if not difference <= band:
-            if torch.equal(got[r], before[r]):
-                pytest.fail(f"{N} ranks: rank {r}'s x is unchanged: write the result into x, in place")
-            pytest.fail(f"{N} ranks: rank {r} holds {got[r].tolist()}, expected {expected[r].tolist()} "
+        if not (got[r] - expected[r]).abs().max().item() <= band:
+            mistake = likely_gossip_mistake(got[r], before, r, with_gradient, band)
+            pytest.fail(f"{N} ranks: rank {r} holds {numbers(got[r])}, expected {numbers(expected[r])} "
                         f"(x_r <- (x_(r-1) + x_r + x_(r+1)) / 3{' - lr g(x_r)' if with_gradient else ''}, "
-                        "the neighbours' values from before the step)")
+                        f"the neighbours' values from before the step){': ' + mistake if mistake else ''}")
+
+
+def numbers(tensor):
+    """A tensor's values as a learner reads them: [3.667, 7, 10.33], not float32's 3.6666667461395264."""
+    return "[" + ", ".join(f"{value:.4g}" for value in tensor.tolist()) + "]"
+
+
+def likely_gossip_mistake(got, before, r, with_gradient, band):
+    """The classic mistake that gives rank r's ``got`` from the values ``before`` the step, in
+    words, or None. Each candidate is a wrong gossip step computed here."""
+    N = len(before)
+    x, left, right = before[r], before[(r - 1) % N], before[(r + 1) % N]
+    mixed = (left + x + right) / 3
+
+    def gradient(v):
+        return v * 0.5 + r
+
+    def step(m):
+        return m - 0.25 * gradient(x) if with_gradient else m
+
+    candidates = [("your x is unchanged: write the result into x, in place", x)]
+    if N == 2:
+        candidates.append(("at N = 2 both neighbours are the same rank: count its value twice, "
+                           "(2 x_other + x_r) / 3", step((left + x) / 2)))
+    candidates += [
+        ("your own x_r is left out: average x_(r-1), x_r and x_(r+1)", step((left + right) / 2)),
+        ("only x_(r-1) is averaged in: receive from both neighbours, r - 1 and r + 1 mod N", step((left + x) / 2)),
+        ("only x_(r+1) is averaged in: receive from both neighbours, r - 1 and r + 1 mod N", step((x + right) / 2)),
+        ("the sum of three values is divided by 2: divide by 3", step((left + x + right) / 2)),
+    ]
+    if with_gradient:
+        candidates += [
+            ("the gradient step is missing: subtract lr * gradient(x)", mixed),
+            ("the gradient step is added: subtract lr * gradient(x)", mixed + 0.25 * gradient(x)),
+            ("the gradient is taken at the mixed x: call gradient(x) on the x you were given, before mixing "
+             "(that also lets it overlap the messages)", mixed - 0.25 * gradient(mixed)),
+        ]
+    return next((words for words, wrong in candidates if (got - wrong).abs().max().item() <= band), None)
 
 
 @pytest.mark.task("gossip_ring_step")
