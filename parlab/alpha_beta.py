@@ -7,9 +7,11 @@ messages times alpha plus a count of bytes on the busiest rank times beta:
 ``cost_model`` gives it for each of parlab's algorithms (symbols: N ranks, D bytes in the
 tensor). ``measure_p2p`` measures point-to-point times on two real ranks (a ping-pong),
 ``fit_alpha_beta`` fits the model's two numbers to them and ``fit_errors`` says how well the
-points pin them down; ``ping_pong`` does all three on a cluster.
+points pin them down; ``ping_pong`` does all three on a cluster, in one regime or several
+taking turns.
 """
 
+import contextlib
 import math
 import statistics
 import time
@@ -163,15 +165,29 @@ class PingPong(NamedTuple):
     beta_error: float
 
 
-def ping_pong(cluster, sizes, repeats=10, rounds=3):
+def ping_pong(cluster, sizes, repeats=10, rounds=3, links=None):
     """``measure_p2p`` between ranks 0 and 1 of a running ``cluster``, ``rounds`` times, each
     size's fastest median kept, then ``fit_alpha_beta`` and ``fit_errors``: a ``PingPong``.
     Keeping the fastest of a few rounds filters out the moments another program held the
     cores. On an emulated link (``with cluster.emulate(link=...)``) it measures the link,
-    plus what the emulation itself costs a message."""
+    plus what the emulation itself costs a message.
+
+    ``links``: {name: a ``parlab.Link``, or None for real time} measures in each of these
+    regimes instead of the cluster's own and returns {name: PingPong}. Each round measures
+    every regime in turn, so a burst of load falls on all of them alike: a difference
+    between two of the fits is the regimes', not the moment's (lecture 01 subtracts the free
+    link's fit from the emulated link's to recover the declared alpha and beta)."""
     whole_number("rounds", rounds, "measure at least once, e.g. rounds=3.")
-    measured = [dict(cluster.run(measure_p2p, sizes, repeats)[0]) for _ in range(rounds)]
+    regimes = {None: None} if links is None else dict(links)
+    measured = {name: [] for name in regimes}
+    for _ in range(rounds):
+        for name, link in regimes.items():
+            with contextlib.nullcontext() if links is None else cluster.emulate(link=link):
+                measured[name].append(dict(cluster.run(measure_p2p, sizes, repeats)[0]))
     ordered = sorted(set(sizes))
-    seconds = [min(times[size] for times in measured) for size in ordered]
-    alpha, beta = fit_alpha_beta(ordered, seconds)
-    return PingPong(ordered, seconds, alpha, beta, *fit_errors(ordered, seconds, alpha, beta))
+    fits = {}
+    for name, runs in measured.items():
+        seconds = [min(times[size] for times in runs) for size in ordered]
+        alpha, beta = fit_alpha_beta(ordered, seconds)
+        fits[name] = PingPong(ordered, seconds, alpha, beta, *fit_errors(ordered, seconds, alpha, beta))
+    return fits[None] if links is None else fits

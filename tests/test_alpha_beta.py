@@ -1,5 +1,7 @@
 """The alpha-beta cost model: predicted times by hand, the fit, the ping-pong measurement."""
 
+import contextlib
+
 import pytest
 
 import parlab
@@ -95,3 +97,34 @@ def test_ping_pong_keeps_each_sizes_fastest_round_in_increasing_size_and_fits_th
     assert all(t >= link.time(D) for D, t in zip(measured.sizes, measured.seconds))  # never early
     with pytest.raises(ValueError, match="rounds must be a whole number >= 1"):
         ping_pong(cluster2, [8, 16], rounds=0)
+
+
+@pytest.mark.timeout(10)
+def test_ping_pong_in_several_regimes_takes_turns_round_by_round():
+    # A stand-in cluster that records the regime of every call: each round must measure
+    # every regime once, so that a burst of load cannot fall on one regime's rounds alone.
+    class Recorder:
+        def __init__(self):
+            self.regime, self.calls = None, []
+
+        @contextlib.contextmanager
+        def emulate(self, link=None):
+            previous, self.regime = self.regime, link
+            try:
+                yield self
+            finally:
+                self.regime = previous
+
+        def run(self, fn, sizes, repeats):
+            self.calls.append(self.regime)
+            per_byte = 1e-9 if self.regime is None else 1 / self.regime.bandwidth
+            return [[(size, 1e-5 + size * per_byte + 1e-6 * len(self.calls)) for size in sorted(sizes)], None]
+
+    slow = parlab.Link(latency=1e-3, bandwidth=1e6)
+    cluster = Recorder()
+    fits = ping_pong(cluster, [8, 4096, 65536], rounds=3, links={"slow": slow, "real": None})
+    assert cluster.calls == [slow, None] * 3
+    assert set(fits) == {"slow", "real"}
+    # each size's fastest round is kept: here the first, the calls getting slower one by one
+    assert fits["slow"].seconds == [1e-5 + size / 1e6 + 1e-6 for size in (8, 4096, 65536)]
+    assert fits["real"].beta == pytest.approx(1e-9) and fits["slow"].beta == pytest.approx(1e-6)
