@@ -21,7 +21,10 @@ buckets (one all-reduce per bucket) and when a bucket's all-reduce is launched.
 
 Fewer, larger buckets pay the per-message latency (alpha) fewer times; launching during
 backward hides communication behind the gradients still being computed. "bucketed" gets
-both, which is why it is torch's ``DistributedDataParallel``.
+both, as torch's ``DistributedDataParallel`` does (Li et al. 2020). torch 2.13 plans its
+buckets a little differently (``torch/nn/parallel/distributed.py``): a bucket closes once it
+reaches the cap, the first one is 1 MiB under the default cap, and after a first step with
+one bucket for all it rebuilds them in the order the gradients arrived.
 
 Communication is traced: each all-reduce records one "all_reduce" comm event (bytes of the
 bucket, start at launch, end when waited for), so ``cluster.trace`` shows how many
@@ -70,7 +73,8 @@ def assign_buckets(sizes_in_bytes, bucket_cap_bytes):
     order (``module.parameters()``). Buckets are filled in REVERSE order, because backward
     produces the gradients of the last layers first, so the first bucket is ready first. A
     bucket closes when adding the next parameter would take it over ``bucket_cap_bytes`` (a
-    bucket may be exactly full); a parameter larger than the cap gets a bucket of its own.
+    bucket may be exactly full; torch's DDP closes one once it reaches the cap, so its buckets
+    may pass it by one gradient); a parameter larger than the cap gets a bucket of its own.
     Each bucket lists its indices in the order they were added (descending).
 
     E.g. sizes [264, 144, 24] with a cap of 168 bytes: [[2, 1], [0]], all-reduces of 168 and

@@ -6,7 +6,7 @@ the backward pass hides (lecture 02, section 5).
     predict_step(model, timing, N_d, alpha, beta, variant, ...)    a whole step of a DDP variant
 
 Each bucket's all-reduce is a ring over the N_d ranks, the all-reduce parlab's DDP runs when
-the links are emulated, costing 2 (N_d - 1) alpha + 2 (N_d - 1)/N_d B_b beta for B_b bytes
+the links are emulated, costing 2 (N_d - 1) alpha + 2 (N_d - 1)/N_d D_i beta for D_i bytes
 (``parlab.alpha_beta.cost_model("ring", ...)``, lecture 01). The buckets are
 ``parlab.ddp.assign_buckets``' plan, the one the DDP wrapper all-reduces.
 """
@@ -19,22 +19,22 @@ from parlab.ddp import MB, VARIANTS, assign_buckets, trainable_parameters
 def predict_overlap(bucket_bytes, ready_times, N_d, alpha, beta):
     """The analytic model of one backward pass with overlapped all-reduces.
 
-    ``bucket_bytes``: B_b, the bytes of each bucket in launch order (b = 1..n);
-    ``ready_times``: r_b, the seconds after the start of backward at which bucket b's last
-    gradient is ready. The all-reduces are rings over the same N_d ranks, so they run one at
-    a time, in order:
+    ``bucket_bytes``: D_i, the bytes of each bucket i in launch order (i = 1, 2, ...);
+    ``ready_times``: ready_i, the seconds after the start of backward at which bucket i's
+    last gradient is ready. The all-reduces are rings over the same N_d ranks, so they run
+    one at a time, in order:
 
-        start_b = max(r_b, end_{b-1})          (end_0 = 0)
-        end_b   = start_b + 2 (N_d - 1) alpha + 2 (N_d - 1)/N_d B_b beta
-        T_bwd   = max_b r_b                    (backward ends with its last gradient)
-        T_step  = max(T_bwd, end_n)
+        start_i = max(ready_i, end_{i-1})      (end_0 = 0)
+        end_i   = start_i + 2 (N_d - 1) alpha + 2 (N_d - 1)/N_d D_i beta
+        T_bwd   = max_i ready_i                (backward ends with its last gradient)
+        T_step  = max(T_bwd, end_last)
         exposed = T_step - T_bwd               (communication that backward does not hide)
 
     One bucket (ready at T_bwd) hides nothing: all of its all-reduce is exposed. Many small
     buckets, with a backward long enough, hide all but the last one; but each pays the
     latency term 2 (N_d - 1) alpha, so with many buckets and a short backward the latencies
     queue up. Returns ``(intervals, T_step, exposed)`` with ``intervals`` the list of
-    (start_b, end_b).
+    (start_i, end_i).
     """
     if len(bucket_bytes) != len(ready_times) or not bucket_bytes:
         raise ValueError(
@@ -61,7 +61,7 @@ def bucket_overlap(model, bucket_cap_mb, N_d, alpha, beta, backward_seconds=None
 
     Gradient readiness: ``parameter_ready`` (seconds after the start of backward at which
     each trainable parameter's gradient is ready, in registration order, e.g. measured by
-    ``parlab.bench.ddp.time_single_process_step``) or, if not given, backward time
+    ``parlab.bench.ddp_steps.time_single_process_step``) or, if not given, backward time
     proportional to size: the gradients arrive in reverse registration order and parameter
     i takes ``backward_seconds`` x (its bytes / all bytes). A bucket is ready with its last
     gradient; for the variants that launch after backward ("naive", "flat") every bucket is
@@ -106,12 +106,12 @@ def bucket_overlap(model, bucket_cap_mb, N_d, alpha, beta, backward_seconds=None
 def predict_step(model, timing, N_d, alpha, beta, variant="bucketed", bucket_cap_mb=25):
     """Predicted seconds of one DDP training step of ``model`` on N_d ranks:
 
-        T_step = T_fwd + max(T_bwd, end_n) + T_opt
+        T_step = T_fwd + max(T_bwd, end_last) + T_opt
 
     with T_fwd, T_bwd, T_opt and every parameter's gradient-ready time measured without
     communication (``timing``: a dict with ``forward``, ``backward``, ``optimizer`` and
-    ``parameter_ready``, as ``parlab.bench.ddp.time_single_process_step`` returns it), and
-    end_n the end of the last all-reduce (``bucket_overlap``). What it leaves out: copying
+    ``parameter_ready``, as ``parlab.bench.ddp_steps.time_single_process_step`` returns it), and
+    end_last the end of the last all-reduce (``bucket_overlap``). What it leaves out: copying
     gradients into and out of the buckets, and the CPU time each message costs."""
     missing = {"forward", "backward", "optimizer", "parameter_ready"} - set(timing)
     if missing:

@@ -26,9 +26,9 @@ def plot_buckets(model, bucket_cap_mb, N_d=N_D, alpha=ALPHA, beta=BETA, backward
     parameter in the order backward produces its gradient (reverse registration order), its
     width the time its gradient takes (proportional to its bytes unless ``parameter_ready``
     is given), coloured by bucket. Bottom row, "all-reduce": each bucket's all-reduce in the
-    bucket's colour, a ring over N_d ranks (2 (N_d - 1) alpha + 2 (N_d - 1)/N_d B beta long),
-    one at a time. The exposed communication, after the end of backward, is shaded. Returns
-    the axes.
+    bucket's colour, a ring over N_d ranks (2 (N_d - 1) alpha + 2 (N_d - 1)/N_d D_i beta long
+    for D_i bytes), one at a time. The exposed communication, after the end of backward, is
+    shaded. Returns the axes.
     """
     import matplotlib.pyplot as plt
 
