@@ -1,6 +1,6 @@
 # Generated from solutions/collectives.py by `python -m parlab.exercises build`.
 # Write your code where it raises NotImplementedError, then run `parlab grade collectives`.
-# parlab-generated sha256=0ab4ae95dffd687614afb7fd5d545c0978803cf9fb0825e8cf8747675429334e
+# parlab-generated sha256=e6e359899d484900001a53d7ddc258758f4a8792a3e3ee20510548fe8f95479f
 """Exercise: ring all-reduce, built from a ring reduce-scatter and a ring all-gather.
 
 Write the three functions below with parlab's traced point-to-point calls only:
@@ -25,8 +25,8 @@ Blocking. ``p2p.send`` returns only once its message is received: a rank blocked
 does nothing else until its neighbour posts the matching receive.
 
 Stuck? ``parlab.hint("collectives.ring_reduce_scatter")`` in a notebook (or
-``python -m parlab.grade --hint collectives.ring_reduce_scatter``) opens a hint, one level
-at a time. Grade your work with ``python -m parlab.grade collectives`` (or
+``parlab hint collectives.ring_reduce_scatter``) opens a hint, one level
+at a time. Grade your work with ``parlab grade collectives`` (or
 ``parlab.check("collectives")`` in a notebook).
 """
 

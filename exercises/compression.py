@@ -1,6 +1,6 @@
 # Generated from solutions/compression.py by `python -m parlab.exercises build`.
 # Write your code where it raises NotImplementedError, then run `parlab grade compression`.
-# parlab-generated sha256=39866a243c0d5624a70c6a9533ac25198c995d2ed3e8672b7e82779cd9206a15
+# parlab-generated sha256=e2d5627caf8e4e4cd664a11eab212f4e98e79803f84e3da3708e6c7172ab8dbc
 """Exercise: gradient compression, the three ideas of lecture 05.
 
 Data-parallel ranks step with w_{t+1} = w_t - gamma (1/N) sum_i C(g_i): each of the N ranks
@@ -18,9 +18,9 @@ Communicate only with ``all_reduce_sum`` below (parlab's ring, traced: the grade
 bytes). Symbols: N ranks, d elements, k the budget, gamma the learning rate, G an n x m
 gradient matrix, R the rank of the approximation (the PowerSGD paper's M and r).
 
-Stuck? ``parlab.hint("compression.rand_k")`` in a notebook (or ``python -m parlab.grade --hint
+Stuck? ``parlab.hint("compression.rand_k")`` in a notebook (or ``parlab hint
 compression.rand_k``) opens a hint, one level at a time. Grade your work with
-``python -m parlab.grade compression`` (or ``parlab.check("compression.rand_k")``).
+``parlab grade compression`` (or ``parlab.check("compression.rand_k")``).
 """
 
 import torch

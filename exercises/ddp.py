@@ -1,6 +1,6 @@
 # Generated from solutions/ddp.py by `python -m parlab.exercises build`.
 # Write your code where it raises NotImplementedError, then run `parlab grade ddp`.
-# parlab-generated sha256=c4a9e53f6aed75a41386eead906a913d8320af7a89f90015ae28bc51ad7f71b9
+# parlab-generated sha256=1fa8724e5a6d9206fb4b6f557210d4a792cc82fbe5922b8cdfba39a79e89a132
 """Exercise: bucketed DDP that overlaps communication with backward, like torch's DistributedDataParallel.
 
 Every rank holds a whole replica of the model and computes the gradient of the mean loss
@@ -29,9 +29,9 @@ Launch every all-reduce with ``launch_all_reduce(flat)`` below: it starts
 ``dist.all_reduce(flat, async_op=True)`` and records the call in ``parlab.trace``, where the
 grader counts your all-reduces, their sizes and when they start.
 
-Stuck? ``parlab.hint("ddp.bucketed_ddp")`` in a notebook (or ``python -m parlab.grade --hint
+Stuck? ``parlab.hint("ddp.bucketed_ddp")`` in a notebook (or ``parlab hint
 ddp.bucketed_ddp``) opens a hint, one level at a time. Grade your work with
-``python -m parlab.grade ddp`` (or ``parlab.check("ddp.bucketed_ddp")`` in a notebook).
+``parlab grade ddp`` (or ``parlab.check("ddp.bucketed_ddp")`` in a notebook).
 """
 
 import torch

@@ -1,6 +1,6 @@
 # Generated from solutions/pipeline.py by `python -m parlab.exercises build`.
 # Write your code where it raises NotImplementedError, then run `parlab grade pipeline`.
-# parlab-generated sha256=c583d8592b58da0a3a870b9280e6b890cddb23d6dfe32dce63711ba1bbbb9b12
+# parlab-generated sha256=c60e40de3ece10eb8c74b4abc47c750bbb35cc0960280d590671eb129c351963
 """Exercise: the 1F1B pipeline schedule, and the work one stage does for each action.
 
 Pipeline parallelism cuts the model into K stages, one per rank, and the batch into M
@@ -60,9 +60,9 @@ Mark each compute in the trace, ``with trace.span("forward", stage=s, microbatch
 around ``run_forward`` and ``trace.span("backward", ...)`` around ``run_backward``: that is
 how a measured timeline (and the grader) sees your schedule run.
 
-Stuck? ``parlab.hint("pipeline.one_f_one_b")`` in a notebook (or ``python -m parlab.grade
---hint pipeline.one_f_one_b``) opens a hint, one level at a time. Grade your work with
-``python -m parlab.grade pipeline`` (or ``parlab.check("pipeline")`` in a notebook).
+Stuck? ``parlab.hint("pipeline.one_f_one_b")`` in a notebook (or ``parlab hint
+pipeline.one_f_one_b``) opens a hint, one level at a time. Grade your work with
+``parlab grade pipeline`` (or ``parlab.check("pipeline")`` in a notebook).
 """
 
 import torch

@@ -1,6 +1,6 @@
 # Generated from solutions/zero.py by `python -m parlab.exercises build`.
 # Write your code where it raises NotImplementedError, then run `parlab grade zero`.
-# parlab-generated sha256=281b11eac92da144e293fe199c4bd974a0c3cb594444f5c2b8d8c8cf0cc7c4e1
+# parlab-generated sha256=652cda2d21466fa6ddfd1236d0a8f44e6707b7613ce0c82745015b83ce204dd8
 """Exercise: ZeRO stages 1 and 2: shard Adam's state, then the gradients, over N_d ranks.
 
 Data parallelism keeps a whole replica of the model on each of the N_d ranks, and with it
@@ -43,9 +43,9 @@ all-reduce sends: sharding costs no extra communication.
 Communicate only with the provided ``reduce_scatter`` and ``all_gather`` (from
 ``parlab.flat``): they are traced, and the grader reads their traffic.
 
-Stuck? ``parlab.hint("zero.sharded_optimizer")`` in a notebook (or ``python -m parlab.grade
---hint zero.sharded_optimizer``) opens a hint, one level at a time. Grade your work with
-``python -m parlab.grade zero`` (or ``parlab.check("zero")`` in a notebook).
+Stuck? ``parlab.hint("zero.sharded_optimizer")`` in a notebook (or ``parlab hint
+zero.sharded_optimizer``) opens a hint, one level at a time. Grade your work with
+``parlab grade zero`` (or ``parlab.check("zero")`` in a notebook).
 """
 
 import torch

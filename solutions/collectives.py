@@ -22,8 +22,8 @@ Blocking. ``p2p.send`` returns only once its message is received: a rank blocked
 does nothing else until its neighbour posts the matching receive.
 
 Stuck? ``parlab.hint("collectives.ring_reduce_scatter")`` in a notebook (or
-``python -m parlab.grade --hint collectives.ring_reduce_scatter``) opens a hint, one level
-at a time. Grade your work with ``python -m parlab.grade collectives`` (or
+``parlab hint collectives.ring_reduce_scatter``) opens a hint, one level
+at a time. Grade your work with ``parlab grade collectives`` (or
 ``parlab.check("collectives")`` in a notebook).
 """
 

@@ -15,9 +15,9 @@ Communicate only with ``all_reduce_sum`` below (parlab's ring, traced: the grade
 bytes). Symbols: N ranks, d elements, k the budget, gamma the learning rate, G an n x m
 gradient matrix, R the rank of the approximation (the PowerSGD paper's M and r).
 
-Stuck? ``parlab.hint("compression.rand_k")`` in a notebook (or ``python -m parlab.grade --hint
+Stuck? ``parlab.hint("compression.rand_k")`` in a notebook (or ``parlab hint
 compression.rand_k``) opens a hint, one level at a time. Grade your work with
-``python -m parlab.grade compression`` (or ``parlab.check("compression.rand_k")``).
+``parlab grade compression`` (or ``parlab.check("compression.rand_k")``).
 """
 
 import torch

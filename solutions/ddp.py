@@ -26,9 +26,9 @@ Launch every all-reduce with ``launch_all_reduce(flat)`` below: it starts
 ``dist.all_reduce(flat, async_op=True)`` and records the call in ``parlab.trace``, where the
 grader counts your all-reduces, their sizes and when they start.
 
-Stuck? ``parlab.hint("ddp.bucketed_ddp")`` in a notebook (or ``python -m parlab.grade --hint
+Stuck? ``parlab.hint("ddp.bucketed_ddp")`` in a notebook (or ``parlab hint
 ddp.bucketed_ddp``) opens a hint, one level at a time. Grade your work with
-``python -m parlab.grade ddp`` (or ``parlab.check("ddp.bucketed_ddp")`` in a notebook).
+``parlab grade ddp`` (or ``parlab.check("ddp.bucketed_ddp")`` in a notebook).
 """
 
 import torch

@@ -57,9 +57,9 @@ Mark each compute in the trace, ``with trace.span("forward", stage=s, microbatch
 around ``run_forward`` and ``trace.span("backward", ...)`` around ``run_backward``: that is
 how a measured timeline (and the grader) sees your schedule run.
 
-Stuck? ``parlab.hint("pipeline.one_f_one_b")`` in a notebook (or ``python -m parlab.grade
---hint pipeline.one_f_one_b``) opens a hint, one level at a time. Grade your work with
-``python -m parlab.grade pipeline`` (or ``parlab.check("pipeline")`` in a notebook).
+Stuck? ``parlab.hint("pipeline.one_f_one_b")`` in a notebook (or ``parlab hint
+pipeline.one_f_one_b``) opens a hint, one level at a time. Grade your work with
+``parlab grade pipeline`` (or ``parlab.check("pipeline")`` in a notebook).
 """
 
 import torch

@@ -40,9 +40,9 @@ all-reduce sends: sharding costs no extra communication.
 Communicate only with the provided ``reduce_scatter`` and ``all_gather`` (from
 ``parlab.flat``): they are traced, and the grader reads their traffic.
 
-Stuck? ``parlab.hint("zero.sharded_optimizer")`` in a notebook (or ``python -m parlab.grade
---hint zero.sharded_optimizer``) opens a hint, one level at a time. Grade your work with
-``python -m parlab.grade zero`` (or ``parlab.check("zero")`` in a notebook).
+Stuck? ``parlab.hint("zero.sharded_optimizer")`` in a notebook (or ``parlab hint
+zero.sharded_optimizer``) opens a hint, one level at a time. Grade your work with
+``parlab grade zero`` (or ``parlab.check("zero")`` in a notebook).
 """
 
 import torch

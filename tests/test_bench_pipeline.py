@@ -70,7 +70,7 @@ def test_a_bubble_row_per_microbatches_and_schedule_on_the_emulated_link(result)
         assert row["step_simulated_s"] == pytest.approx(float(simulation.step_time))
         assert row["bubble_formula"] == pytest.approx(bubble_formula(2, M, v))
         assert row["bubble_allowed"] >= 0 and row["step_measured_s"] > 0
-    assert result["targets"] == []  # issue 12's target is stated for K = 4 at M = 4, 8, 16, 32
+    assert result["targets"] == []  # the report's target is stated for K = 4 at M = 4, 8, 16, 32
 
 
 @pytest.mark.timeout(60)

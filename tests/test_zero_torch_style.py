@@ -1,4 +1,4 @@
-"""parlab's sharded engines in ordinary torch code (issue 16): FSDP keeps the wrapped module's
+"""parlab's sharded engines in ordinary torch code: FSDP keeps the wrapped module's
 parameters visible (each unit's shard registered as a Parameter); FSDP and ZeroDP train
 without an optimizer of their own (the caller's optimizer over ``engine.parameters()``, or
 ``[engine.shard]``); ``finish_gradient_synchronization`` on DDP, ZeroDP and FSDP is the call
