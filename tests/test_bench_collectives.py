@@ -158,7 +158,8 @@ def test_link_is_read_from_the_command_line_and_chooses_its_own_defaults(argv, w
     cli.BENCHES["collectives"].run(args)
     assert FakeCluster.started == world_sizes
     assert measured == [(sizes, args.link)] * len(world_sizes)
-    assert LINK_WORLD_SIZES == [4, 8] and LINK_SIZES == [MiB, 4 * MiB, 16 * MiB, 64 * MiB]  # where the report's targets are stated
+    # where the report's targets are stated
+    assert LINK_WORLD_SIZES == [4, 8] and LINK_SIZES == [MiB, 4 * MiB, 16 * MiB, 64 * MiB]
     if argv:
         assert args.link == parse_link(argv[1])
     assert parse_link("200us,100MB/s") == parlab.Link(latency=200e-6, bandwidth=100e6)
