@@ -1,14 +1,14 @@
 # Generated from solutions/compression.py by `python -m parlab.exercises build`.
 # Write your code where it raises NotImplementedError, then run `parlab grade compression`.
-# parlab-generated sha256=e2d5627caf8e4e4cd664a11eab212f4e98e79803f84e3da3708e6c7172ab8dbc
+# parlab-generated sha256=2c1e5c93125126a160d67a78b55f28dc86320244f428ed54f8cc8d265eafcde1
 """Exercise: gradient compression, the three ideas of lecture 05.
 
-Data-parallel ranks step with w_{t+1} = w_t - gamma (1/N) sum_i C(g_i): each of the N ranks
-compresses its gradient g_i (d elements) before it travels. Three compressors to write:
+Data-parallel ranks step with w_{t+1} = w_t - gamma (1/N) sum_r C(g_r): each of the N ranks
+compresses its gradient g_r (d elements) before it travels. Three compressors to write:
 
 - top-k with error feedback (``topk_error_feedback``): top-k keeps the k entries of largest
-  magnitude, a biased choice; error feedback keeps what it dropped in a residual e and adds
-  it back next step, p = gamma g + e, delta = C(p), e = p - delta, so nothing is lost;
+  magnitude, a biased choice; error feedback keeps what it dropped in a residual epsilon and
+  adds it back next step, p = gamma g + epsilon, delta = C(p), epsilon = p - delta, so nothing is lost;
 - unbiased random-k (``rand_k``): k random positions, scaled so that E[C(x)] = x;
 - PowerSGD (``orthogonalize``, ``powersgd_step``): a rank-R approximation P Q^T of the ranks'
   mean gradient matrix from one step of power iteration, with two all-reduces of
@@ -31,11 +31,11 @@ from parlab import collectives
 def topk_error_feedback(g, residual, gamma, k):
     """One step of top-k with error feedback on this rank.
 
-    g: the gradient (any shape, d elements); residual: e, shaped like g (zeros at the first
+    g: the gradient (any shape, d elements); residual: epsilon, shaped like g (zeros at the first
     step); gamma: the learning rate; k: elements kept, 1 <= k <= d.
     Returns (delta, new_residual), both shaped like g:
 
-        p = gamma g + e;   delta = top_k(p);   new_residual = p - delta
+        p = gamma g + epsilon;   delta = top_k(p);   new_residual = p - delta
 
     where top_k(p) keeps the k entries of p of largest magnitude and zeroes the others. The
     caller steps with w <- w - delta.

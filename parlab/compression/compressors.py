@@ -276,10 +276,10 @@ class SignSGD(Compressor):
 
 
 class ErrorFeedback:
-    """Error feedback around a compressor C, with one gradient-sized residual e per tensor
+    """Error feedback around a compressor C, with one gradient-sized residual epsilon per tensor
     (``key``), zero at first:
 
-        p = gamma g + e;   delta = C(p);   e = p - delta
+        p = gamma g + epsilon;   delta = C(p);   epsilon = p - delta
 
     and the step is w <- w - delta (``__call__``; ``aggregate`` steps with the ranks' mean of
     their deltas). What C drops is not lost but sent later, so biased compressors (top-k,
