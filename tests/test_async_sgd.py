@@ -421,6 +421,10 @@ def test_a_send_completed_during_a_receive_is_not_counted_as_a_second_wait():
               (0, COMM, "recv", 27 * ms, 66 * ms, 3, 8, None, None),
               (1, COMM, "recv", 20 * ms, 25 * ms, 0, 8, None, None),
               (1, COMM, "isend", 21 * ms, 60 * ms, 2, 8, None, None)]
-    waits = training.longest_waits(trace.Timeline(events, 2))
+    timeline = trace.Timeline(events, 2)
+    waits = training.longest_waits(timeline)
     assert [(rank, op, k, peer) for rank, op, k, peer, _ in waits] == [(0, "recv", 1, 3), (1, "isend", 1, 2)]
     assert [seconds for *_, seconds in waits] == pytest.approx([0.039, 0.035])
+    # rank 1 waited 5 ms in its receive (started at 20 ms), then 35 ms more for its send (at 21 ms)
+    assert training.waited_before(timeline, 0.0205) == pytest.approx([0.0, 0.005])
+    assert training.waited_before(timeline, 0.028) == pytest.approx([0.039 + 0.001, 0.040])

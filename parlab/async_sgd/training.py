@@ -135,15 +135,28 @@ def longest_waits(step):
     waits = []
     for rank in range(step.world_size):
         events = step.select(rank=rank, kind=trace.COMM)
-        waited, previous_end = {}, float("-inf")
-        for ev in sorted(events, key=lambda ev: ev.end):
-            waited[ev] = ev.end - max(ev.start, previous_end)
-            previous_end = ev.end
+        waited = _waited(events)
         if waited:
             longest = max(events, key=waited.get)
             k = [ev for ev in events if ev.name == longest.name].index(longest) + 1
             waits.append((rank, longest.name, k, longest.peer, waited[longest]))
     return waits
+
+
+def waited_before(step, moment):
+    """Each rank's total wait (as ``longest_waits`` counts it) in the communication events of
+    ``step`` that it started before ``moment`` (seconds on the timeline): a list by rank."""
+    return [sum(seconds for ev, seconds in _waited(step.select(rank=rank, kind=trace.COMM)).items()
+                if ev.start < moment) for rank in range(step.world_size)]
+
+
+def _waited(events):
+    """{event: the part of it after the rank's previous communication event ended}."""
+    waited, previous_end = {}, float("-inf")
+    for ev in sorted(events, key=lambda ev: ev.end):
+        waited[ev] = ev.end - max(ev.start, previous_end)
+        previous_end = ev.end
+    return waited
 
 
 def curve_of(results, problem):
