@@ -129,7 +129,8 @@ def test_an_interrupted_start_leaves_no_worker_even_if_the_exception_is_kept(tmp
         print("workers left:", sorted(_worker_processes()))
     """))
     paths = [rank_1_at_start_up(tmp_path, "time.sleep(60)"), TESTS, os.environ.get("PYTHONPATH")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)))
+    # Fresh interpreters: a fork of the fork server would not run sitecustomize again.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths)), PARLAB_FORK_SERVER="0")
     result = run_script([sys.executable, str(script)], timeout=90, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.splitlines()[-1] == "workers left: []"
@@ -158,7 +159,10 @@ def leave_an_operation_that_never_ends():
     them (each waits for the other forever), then every rank fails: the repair rebuilds the
     process group in the same processes, and leaving the old group waits for those."""
     if dist.get_rank() in (0, 1):
-        sys.modules["__main__"].LEAVE_TIMEOUT_S = 1.0  # the worker runs as __main__; 10 s is long for a test
+        # 10 s is long for a test. A fresh worker runs as __main__, a forked one as the module.
+        for name in ("__main__", "parlab.runtime.worker"):
+            if hasattr(sys.modules.get(name), "LEAVE_TIMEOUT_S"):
+                sys.modules[name].LEAVE_TIMEOUT_S = 1.0
     pair = dist.new_group([0, 1])
     if dist.get_rank() == 0:
         dist.all_reduce(torch.ones(10), group=pair, async_op=True)

@@ -1,8 +1,9 @@
 """One worker process, as its parent holds it: the process, the parent's end of its socket,
 and its two files.
 
-Each worker is ``python -m parlab.runtime.worker`` in its own session (so a Ctrl-C in the
-parent's terminal reaches only the parent), with
+Each worker is ``python -m parlab.runtime.worker`` (or, much faster, a fork of an
+interpreter that has loaded torch already: ``parlab.runtime.fork_server``) in its own
+session (so a Ctrl-C in the parent's terminal reaches only the parent), with
 
 - a socket pair to the parent for messages,
 - a pipe on its stdin that only the parent holds: when the parent dies the pipe closes and
@@ -26,6 +27,7 @@ import sys
 import tempfile
 from multiprocessing.connection import Connection
 
+from parlab.runtime import fork_server
 from parlab.runtime.errors import worker_ended
 
 # The folder that holds the parlab package, for workers started from a parent that found it
@@ -43,17 +45,37 @@ class WorkerProcess:
         self.rank = rank
         parent_end, child_end = socket.socketpair()
         self.log, self.stack = tempfile.TemporaryFile(prefix="parlab-"), tempfile.TemporaryFile(prefix="parlab-")
-        self.proc = subprocess.Popen(
+        try:
+            self.proc = self._fork(settings, child_end) or self._start(settings, child_end)
+        finally:
+            child_end.close()
+        self.conn = Connection(parent_end.detach())
+
+    def _fork(self, settings, child_end):
+        """The worker as a fork of the fork server (loaded torch already), or None."""
+        stdin_read, stdin_write = os.pipe()
+        fds = (stdin_read, self.log.fileno(), child_end.fileno(), self.stack.fileno())
+        try:
+            proc = fork_server.start_worker(_environment(settings, self.rank, -1, -1), fds)
+        finally:
+            os.close(stdin_read)
+        if proc is None:
+            os.close(stdin_write)
+            return None
+        proc.stdin = os.fdopen(stdin_write, "wb")
+        return proc
+
+    def _start(self, settings, child_end):
+        """The worker as a fresh interpreter."""
+        return subprocess.Popen(
             [sys.executable, "-m", "parlab.runtime.worker"],
             stdin=subprocess.PIPE,
             stdout=self.log,
             stderr=subprocess.STDOUT,
             pass_fds=(child_end.fileno(), self.stack.fileno()),
-            env=_environment(settings, rank, child_end.fileno(), self.stack.fileno()),
+            env=_environment(settings, self.rank, child_end.fileno(), self.stack.fileno()),
             start_new_session=True,
         )
-        child_end.close()
-        self.conn = Connection(parent_end.detach())
 
     @property
     def pid(self):

@@ -32,8 +32,12 @@ PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
 LEAVE_TIMEOUT_S = 10.0
 
 
-def main():
+def main(conn_fd=None, stack_fd=None):
+    """Run the worker. A fork of ``parlab.runtime.fork_server`` passes the descriptors it
+    received (their numbers differ from the parent's) and watches the server as its parent."""
     config = json.loads(os.environ.pop("PARLAB_WORKER"))
+    if conn_fd is not None:
+        config.update(conn_fd=conn_fd, stack_fd=stack_fd, parent_pid=os.getppid())
     for path in reversed(config["sys_path"]):
         if path not in sys.path:
             sys.path.insert(0, path)

@@ -1,0 +1,85 @@
+"""Workers forked from an interpreter that has loaded torch (parlab.runtime.fork_server)
+behave as fresh interpreters do: same results, same reports of how they ended, nothing left
+when the parent dies; a worker whose start-up environment differs is a fresh interpreter."""
+
+import os
+import signal
+import sys
+import textwrap
+import time
+
+import pytest
+from test_runtime import all_reduce_ranks, is_alive, run_script
+
+import parlab
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server runs on Linux only"),
+]
+
+
+def parent_and_command(pid):
+    with open(f"/proc/{pid}/status") as status:
+        fields = dict(line.split(":\t", 1) for line in status.read().splitlines() if ":\t" in line)
+    with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+        return int(fields["PPid"]), cmdline.read().replace(b"\0", b" ").decode()
+
+
+def test_workers_are_forks_of_the_server_and_compute_what_fresh_ones_do(monkeypatch):
+    with parlab.Cluster(world_size=3, timeout=60) as cluster:
+        forked = cluster.run(all_reduce_ranks)
+        servers = {parent_and_command(pid)[0] for pid in cluster.pids}
+    assert len(servers) == 1
+    parent, command = parent_and_command(servers.pop())
+    assert parent == os.getpid() and "-m parlab.runtime.fork_server" in command
+
+    monkeypatch.setenv("PARLAB_FORK_SERVER", "0")
+    with parlab.Cluster(world_size=3, timeout=60) as cluster:
+        assert cluster.run(all_reduce_ranks) == forked == [3.0] * 3
+        for pid in cluster.pids:
+            parent, command = parent_and_command(pid)
+            assert parent == os.getpid() and "-m parlab.runtime.worker" in command
+
+
+def test_a_different_start_up_environment_gets_fresh_interpreters(monkeypatch):
+    with parlab.Cluster(world_size=2, timeout=60) as cluster:
+        cluster.run(all_reduce_ranks)  # the server exists, started with this environment
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # read as torch loads: a fork would keep the server's
+    with parlab.Cluster(world_size=2, timeout=60) as cluster:
+        assert cluster.run(lambda: os.environ["OMP_NUM_THREADS"]) == ["1", "1"]
+        assert all(parent_and_command(pid)[0] == os.getpid() for pid in cluster.pids)
+
+
+def test_a_killed_server_takes_its_workers_and_the_next_call_replaces_them():
+    with parlab.Cluster(world_size=2, timeout=60) as cluster:
+        server = parent_and_command(cluster.pids[0])[0]
+        os.kill(server, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(is_alive(pid) for pid in cluster.pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(is_alive(pid) for pid in cluster.pids)  # they watch the server as their parent
+        with pytest.raises(parlab.RankError) as info:
+            cluster.run(all_reduce_ranks)
+        assert "rank 0's worker was killed by SIGKILL while idle" in str(info.value)
+        assert cluster.run(all_reduce_ranks) == [1.0, 1.0]
+        assert parent_and_command(cluster.pids[0])[0] != server
+
+
+def test_a_killed_parent_leaves_neither_server_nor_workers(tmp_path):
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, parlab
+        cluster = parlab.Cluster(world_size=2)
+        status = open(f"/proc/{cluster.pids[0]}/status").read()
+        server = [line.split()[1] for line in status.splitlines() if line.startswith("PPid:")][0]
+        print(server, *cluster.pids, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    result = run_script([sys.executable, str(script)], timeout=60)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+    pids = [int(pid) for pid in result.stdout.split()[-3:]]
+    deadline = time.monotonic() + 10
+    while any(is_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(is_alive(pid) for pid in pids)
