@@ -13,6 +13,7 @@ from test_runtime import all_reduce_ranks, is_alive, run_script
 
 import parlab
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
 pytestmark = [
     pytest.mark.timeout(120),
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server runs on Linux only"),
@@ -51,19 +52,34 @@ def test_a_different_start_up_environment_gets_fresh_interpreters(monkeypatch):
         assert all(parent_and_command(pid)[0] == os.getpid() for pid in cluster.pids)
 
 
-def test_a_killed_server_takes_its_workers_and_the_next_call_replaces_them():
-    with parlab.Cluster(world_size=2, timeout=60) as cluster:
-        server = parent_and_command(cluster.pids[0])[0]
-        os.kill(server, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while any(is_alive(pid) for pid in cluster.pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(is_alive(pid) for pid in cluster.pids)  # they watch the server as their parent
-        with pytest.raises(parlab.RankError) as info:
-            cluster.run(all_reduce_ranks)
-        assert "rank 0's worker was killed by SIGKILL while idle" in str(info.value)
-        assert cluster.run(all_reduce_ranks) == [1.0, 1.0]
-        assert parent_and_command(cluster.pids[0])[0] != server
+def test_a_killed_server_takes_its_workers_and_the_next_call_replaces_them(tmp_path):
+    # In a script of its own: every cluster of this process shares the server.
+    script = tmp_path / "kill_server.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, time, parlab
+        from test_fork_server import parent_and_command
+        from test_runtime import all_reduce_ranks, is_alive
+        with parlab.Cluster(world_size=2, timeout=60) as cluster:
+            server = parent_and_command(cluster.pids[0])[0]
+            os.kill(server, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while any(is_alive(pid) for pid in cluster.pids) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            print("workers alive:", [is_alive(pid) for pid in cluster.pids])
+            try:
+                cluster.run(all_reduce_ranks)
+            except parlab.RankError as error:
+                print(str(error).splitlines()[0])
+            print("next call:", cluster.run(all_reduce_ranks))
+            print("new server:", parent_and_command(cluster.pids[0])[0] != server)
+    """))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
+    result = run_script([sys.executable, str(script)], timeout=90, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    alive, error, after, new_server = result.stdout.splitlines()[-4:]
+    assert alive == "workers alive: [False, False]"  # they watch the server as their parent
+    assert error.startswith("rank 0's worker was killed by SIGKILL while idle")
+    assert after == "next call: [1.0, 1.0]" and new_server == "new server: True"
 
 
 def test_a_killed_parent_leaves_neither_server_nor_workers(tmp_path):
