@@ -43,6 +43,7 @@ from pathlib import Path
 import pytest
 
 from parlab.runtime.errors import RankError, RankTimeout, explain_size_mismatch
+from parlab.runtime.process import prepare_workers
 
 # Covers the first test on a cluster that must start first (seconds on a busy machine).
 GRADED_TEST_TIMEOUT_S = 60
@@ -71,6 +72,8 @@ def pytest_configure(config):
     fd = config.getoption("grade_progress")
     stream = os.fdopen(fd, "w", buffering=1) if fd is not None else None
     config.stash[_PROGRESS] = {"stream": stream, "task_of": {}, "last": {}, "started": {}, "width": 0}
+    # Graded tests run on clusters: their workers' fork server loads torch while pytest collects.
+    prepare_workers()
 
 
 def pytest_unconfigure(config):

@@ -1,10 +1,11 @@
 """Start workers in milliseconds instead of seconds: a fork server.
 
-Loading torch is nearly all of a worker's start (about 3 s of CPU on a laptop core), and a
-lecture or a test suite starts hundreds of workers. So each parent starts, once, an
-interpreter that loads torch and then waits; every worker is a fork of it, with torch already
-loaded, its own session, and the same socket, pipe and files a fresh interpreter gets (see
-``parlab.runtime.process``). The server reaps its forks and tells the parent how each ended.
+Loading torch is nearly all of a worker's start (about 3 s of CPU on a laptop core, and 2 s
+more with the first optimizer), and a lecture or a test suite starts hundreds of workers. So
+each parent starts, once, an interpreter that loads torch and then waits; every worker is a
+fork of it, with torch already loaded, its own session, and the same socket, pipe and files
+a fresh interpreter gets (see ``parlab.runtime.process``). The server reaps its forks and
+tells the parent how each ended.
 
 A fork only equals a fresh interpreter when the variables read as an interpreter starts or
 loads torch are the same, so a worker whose environment differs in one of them (PYTHONPATH,
@@ -43,17 +44,30 @@ def start_worker(env, fds):
     """Fork a worker with environment ``env`` holding ``fds`` = (stdin, log, connection,
     stack) as descriptors; returns its process handle, or None where a fresh interpreter must
     start it instead (see the module's docstring)."""
+    with _lock:
+        server = _current(env)
+        if server is None or server.key != _start_key(env) or not server.wait_ready():
+            return None
+        return server.fork(env, fds)
+
+
+def prepare(env):
+    """Start the server for workers with environment ``env`` now, without waiting for it: it
+    loads torch while the parent does other work (a test session collecting its tests)."""
+    with _lock:
+        _current(env)
+
+
+def _current(env):
+    """This process's server, started with ``env`` if there is none; None where forks are
+    not used."""
     global _server
     if not sys.platform.startswith("linux") or env.get("PARLAB_FORK_SERVER") == "0":
         return None
-    key = _start_key(env)
-    with _lock:
-        if _server is None or _server.gone or _server.owner != os.getpid():
-            _server = _Server(env, key)
-            atexit.register(_server.close)
-        if _server.key != key or not _server.wait_ready():
-            return None
-        return _server.fork(env, fds)
+    if _server is None or _server.gone or _server.owner != os.getpid():
+        _server = _Server(env, _start_key(env))
+        atexit.register(_server.close)
+    return _server
 
 
 def _start_key(env):
@@ -194,6 +208,7 @@ def _serve():
     """The server: load torch, then fork a worker per request until the parent is gone."""
     control = socket.socket(fileno=int(os.environ.pop("PARLAB_FORK_SERVER_FD")))
     import cloudpickle  # noqa: F401
+    import torch._dynamo  # noqa: F401  (a torch.optim optimizer loads it as it is made: 2 s more)
     import torch.distributed  # noqa: F401
 
     wake_read, wake_write = os.pipe()

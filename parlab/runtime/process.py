@@ -137,9 +137,21 @@ class WorkerProcess:
         return f"Last output of rank {self.rank}'s worker:\n{log or '(none)'}"
 
 
-def _environment(settings, rank, conn_fd, stack_fd):
+def prepare_workers():
+    """Have the fork server load torch now, so that the first workers start at once: for a
+    process that will start clusters and has other work to do first."""
+    fork_server.prepare(worker_environment())
+
+
+def worker_environment():
+    """The parent's environment, with the parlab package findable."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT, env.get("PYTHONPATH")]))
+    return env
+
+
+def _environment(settings, rank, conn_fd, stack_fd):
+    env = worker_environment()
     env["PARLAB_WORKER"] = json.dumps(
         {
             "rank": rank,
