@@ -4,7 +4,7 @@ widget" and no label cut short; then move each slider, pick each other dropdown 
 toggle, press each button, and see the widget's output change without an error sentence
 (a button that measures on the cluster finds it closed by the lecture's last cell: the
 widget starts a new one). Last, save: what a learner reopens after closing the notebook must
-have, beside every widget output, a static picture (a PNG that decodes), since the widget's
+have, in every cell with a widget, a static picture (a PNG that decodes), since the widget's
 model is gone with the kernel.
 The run also serves as nbval's: the cells marked ``# NBVAL_CHECK_OUTPUT`` must give their
 stored outputs (tests/checked_outputs.py), so a full ``pytest`` runs each lecture once.
@@ -186,25 +186,29 @@ def _check_stored_outputs(cells, notebook):
 
 
 def _use_every_control(page):
-    """Move every enabled slider one step, pick each dropdown's last other entry and each
-    other toggle, then press every button; after each, the widget must show something new and
+    """Move every enabled slider one step and back, pick every other dropdown entry and toggle
+    and back, then press every button; after each, the widget must show something new and
     no error sentence. Returns the number of actions."""
     actions = 0
     for handle in page.locator(".jp-OutputArea-output .widget-slider .noUi-handle").all():
         if handle.evaluate("e => e.closest('.noUi-target').hasAttribute('disabled')"):
             continue
         at_end = handle.get_attribute("aria-valuenow") == handle.get_attribute("aria-valuemax")
-        key = "ArrowLeft" if at_end else "ArrowRight"
-        actions += _expect_update(page, handle, functools.partial(handle.press, key))
+        for key in (["ArrowLeft", "ArrowRight"] if at_end else ["ArrowRight", "ArrowLeft"]):
+            actions += _expect_update(page, handle, functools.partial(handle.press, key))
     for select in page.locator(".jp-OutputArea-output .widget-dropdown select").all():
         first = select.input_value()
         # The last other entry: a first entry such as the memory widget's "custom" may change nothing.
         for value in [v for v in select.evaluate("e => Array.from(e.options).map(o => o.value)") if v != first][-1:]:
-            actions += _expect_update(page, select, functools.partial(select.select_option, value))
+            for chosen in (value, first):
+                actions += _expect_update(page, select, functools.partial(select.select_option, chosen))
     for group in page.locator(".jp-OutputArea-output .widget-toggle-buttons").all():
         toggles = group.locator("button").all()
-        for toggle in [toggle for toggle in toggles if "mod-active" not in toggle.get_attribute("class")]:
-            actions += _expect_update(page, toggle, toggle.click)
+        active = [toggle for toggle in toggles if "mod-active" in toggle.get_attribute("class")]
+        for toggle in toggles:
+            if toggle not in active:
+                actions += _expect_update(page, toggle, toggle.click)
+                actions += sum(_expect_update(page, first, first.click) for first in active)
     for pressed in page.locator(".jp-OutputArea-output button.widget-button").all():
         actions += _expect_update(page, pressed, pressed.click)
     return actions
@@ -234,23 +238,25 @@ def _expect_update(page, control, act):
 
 
 def _check_saved(page, lab, lecture):
-    """Save: in the saved notebook every widget output has a static picture beside it, a PNG
-    that decodes (what the page shows once the kernel, and with it the widget, is gone)."""
+    """Save: in the saved notebook every cell with a widget output also has a static picture,
+    a PNG that decodes (what a learner sees there once the kernel, and the widget, is gone)."""
     page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
     saved = json.loads((lab["served"] / lecture).read_text())
     missing = []
     for index, cell in enumerate(saved["cells"]):
-        for output in cell.get("outputs", []):
-            data = output.get("data", {})
-            if "application/vnd.jupyter.widget-view+json" not in data:
-                continue
-            try:
-                picture = matplotlib.image.imread(io.BytesIO(base64.b64decode(data["image/png"])), format="png")
-            except (KeyError, ValueError, SyntaxError):
-                picture = None
-            if picture is None or picture.size == 0:
+        data = [output.get("data", {}) for output in cell.get("outputs", [])]
+        if any("application/vnd.jupyter.widget-view+json" in kinds for kinds in data):
+            pictures = [_decoded(kinds["image/png"]) for kinds in data if "image/png" in kinds]
+            if not any(picture is not None and picture.size for picture in pictures):
                 missing.append(index)
-    assert not missing, f"widget outputs without a static picture (a PNG that decodes) beside them, cells {missing}"
+    assert not missing, f"cells with a widget but no static picture (a PNG that decodes): {missing}"
+
+
+def _decoded(png):
+    try:
+        return matplotlib.image.imread(io.BytesIO(base64.b64decode(png)), format="png")
+    except (ValueError, SyntaxError, OSError):
+        return None
 
 
 def _wait_for_server(base, token, server, log):
