@@ -69,11 +69,13 @@ def lower_priority_beside_the_lectures(item):
 def _children():
     found = []
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
         try:
             with open(f"/proc/{entry}/stat") as stat:
                 fields = stat.read().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, NotADirectoryError, ProcessLookupError, IndexError):
-            continue
+        except (OSError, IndexError):
+            continue  # the process is gone
         if fields[1] == str(os.getpid()):
             found.append(int(entry))
     return found
