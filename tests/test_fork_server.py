@@ -99,3 +99,22 @@ def test_a_killed_parent_leaves_neither_server_nor_workers(tmp_path):
     while any(is_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(is_alive(pid) for pid in pids)
+
+
+@pytest.mark.parametrize("fork", ["1", "0"])
+def test_the_workers_of_a_nice_parent_keep_its_priority_in_their_own_sessions(tmp_path, fork):
+    # Each worker leads a session; where Linux schedules sessions as groups, the group's nice counts.
+    script = tmp_path / "nice.py"
+    script.write_text(textwrap.dedent("""
+        import os, parlab
+        def priority():
+            group = "/proc/self/autogroup"  # "/autogroup-12 nice 5"; none without autogroup
+            nice = open(group).read().split()[-1] if os.path.exists(group) else "5"
+            return os.getpriority(os.PRIO_PROCESS, 0), nice
+        with parlab.Cluster(world_size=2) as cluster:
+            print(cluster.run(priority))
+    """))
+    result = run_script(["nice", "-n", "5", sys.executable, str(script)], timeout=90,
+                        env=dict(os.environ, PARLAB_FORK_SERVER=fork))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines()[-1] == "[(5, '5'), (5, '5')]"

@@ -42,6 +42,7 @@ def main(conn_fd=None, stack_fd=None):
         if path not in sys.path:
             sys.path.insert(0, path)
     _watch_parent(config["parent_pid"])
+    _keep_priority()
     # The parent holds this file too and reads the stacks from it (see parlab.runtime.pool).
     faulthandler.register(signal.SIGUSR1, file=config["stack_fd"], all_threads=True)
     # A rank that dies of a fatal signal leaves its Python stack in its log, which the parent
@@ -226,6 +227,18 @@ def _call_into(fn, errors):
         fn()
     except BaseException as exc:
         errors.append(exc)
+
+
+def _keep_priority():
+    """A worker leads a session of its own, and where Linux schedules each session as a group
+    (autogroup), the group's priority is what counts: without this, the workers of a parent
+    run under ``nice`` would compete at full priority. The group takes the worker's nice value,
+    inherited from its parent."""
+    try:
+        with open("/proc/self/autogroup", "w") as group:
+            group.write(str(os.getpriority(os.PRIO_PROCESS, 0)))
+    except OSError:
+        pass  # not Linux, or no autogroup
 
 
 def _watch_parent(parent_pid):
