@@ -118,3 +118,23 @@ def test_the_workers_of_a_nice_parent_keep_its_priority_in_their_own_sessions(tm
                         env=dict(os.environ, PARLAB_FORK_SERVER=fork))
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.splitlines()[-1] == "[(5, '5'), (5, '5')]"
+
+
+def test_a_server_that_cannot_start_leaves_the_workers_to_fresh_interpreters(tmp_path):
+    # The server dies as it starts (Python runs sitecustomize first): every cluster still starts.
+    (tmp_path / "sitecustomize.py").write_text('import os\nif "PARLAB_FORK_SERVER_FD" in os.environ: os._exit(3)\n')
+    script = tmp_path / "start.py"
+    script.write_text(textwrap.dedent("""
+        import os, parlab
+        from test_fork_server import parent_and_command
+        from test_runtime import all_reduce_ranks
+        for _ in range(2):
+            with parlab.Cluster(world_size=2, timeout=60) as cluster:
+                parents = {parent_and_command(pid)[0] for pid in cluster.pids}
+                print(cluster.run(all_reduce_ranks), parents == {os.getpid()})
+    """))
+    paths = [str(tmp_path), TESTS, os.environ.get("PYTHONPATH")]
+    result = run_script([sys.executable, str(script)], timeout=90,
+                        env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, paths))))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines()[-2:] == ["[1.0, 1.0] True"] * 2

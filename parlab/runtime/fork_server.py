@@ -64,6 +64,8 @@ def _current(env):
     global _server
     if not sys.platform.startswith("linux") or env.get("PARLAB_FORK_SERVER") == "0":
         return None
+    if _server is not None and _server.failed and _server.owner == os.getpid():
+        return None
     if _server is None or _server.gone or _server.owner != os.getpid():
         _server = _Server(env, _start_key(env))
         atexit.register(_server.close)
@@ -78,7 +80,7 @@ class _Server:
     """The parent's side of the fork server."""
 
     def __init__(self, env, key):
-        self.key, self.gone, self.ready, self.owner = key, False, False, os.getpid()
+        self.key, self.gone, self.ready, self.failed, self.owner = key, False, False, False, os.getpid()
         self.lock = threading.Lock()
         self.ended, self.live = {}, set()  # pid -> exit code; forks not yet ended
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -100,12 +102,13 @@ class _Server:
             return True
         try:
             answered, _, _ = select.select([self.sock], [], [], READY_TIMEOUT_S)
-            message = pickle.loads(self.sock.recv(PACKET)) if answered else None
+            data = self.sock.recv(PACKET) if answered else b""
         except BaseException:
             self._end()
             raise
-        self.ready = message == ("ready",)
+        self.ready = bool(data) and pickle.loads(data) == ("ready",)
         if not self.ready:
+            self.failed = True  # it could not load torch: fresh interpreters from now on
             self._end()
         return self.ready
 
