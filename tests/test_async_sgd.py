@@ -263,9 +263,16 @@ def test_a_backup_worker_run_at_the_same_n_leaves_the_other_ranks_out_and_follow
         assert torch.equal(logs[0].weights, replay_synchronous(logs[0].used, 0.05))
         drawn = backup.drawn_step_seconds([draws[w] for w in workers], 2, 5)
         assert all(step >= seconds for step, seconds in zip(logs[0].step_seconds, drawn))  # no step beats its draw
-        # the used workers are the two whose draws were smallest (a tie of draws is not possible)
-        for k, used in enumerate(logs[0].used):
-            assert used == sorted(sorted(workers, key=lambda w: draws[w](k))[:2]), k
+        # the used workers are the two whose draws were smallest, where the second and third
+        # draws lie further apart than that step ran late (the machine's own delay, measured)
+        checked = 0
+        for k, (used, step, seconds) in enumerate(zip(logs[0].used, logs[0].step_seconds, drawn)):
+            ordered = sorted(workers, key=lambda w: draws[w](k))
+            if len(ordered) > 2 and draws[ordered[2]](k) - draws[ordered[1]](k) <= step - seconds:
+                continue
+            assert used == sorted(ordered[:2]), k
+            checked += 1
+        assert checked >= 1, "every step ran later than its draws lie apart: nothing was checked"
     with pytest.raises(parlab.RankError, match="leave the server out of workers"):
         cluster4.run(backup.synchronous_sgd, initial_weights(), rank_gradient, 0.05, 1, workers=[0, 1], timeout=60)
 
