@@ -20,9 +20,9 @@ def pytest_collection_modifyitems(config, items):
     Chromium and playwright are here), it also makes nbval's check of the cells marked
     ``# NBVAL_CHECK_OUTPUT``, so nbval's own run of that lecture is left out.
 
-    The browser test comes first: under ``-n 2 --dist loadfile`` (pyproject.toml) one
-    process runs it from the start, the longest file by far, while the other runs the rest
-    at a lower priority (``lower_priority_beside_the_lectures``)."""
+    The browser test comes first: under ``pytest -n 2`` (pyproject.toml's addopts add
+    ``--dist loadfile``) one process runs it from the start, the longest file by far, while
+    the other runs the rest at a lower priority (``lower_priority_beside_the_lectures``)."""
     browsed = {item.callspec.params["lecture"] for item in items if _browses(item)}
     twice = {item for item in items if item.path.suffix == ".ipynb" and item.path.name in browsed}
     if twice:
