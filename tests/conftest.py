@@ -58,7 +58,19 @@ def lower_priority_beside_the_lectures(item):
     _DECIDED.append(True)
     if not item.config.stash.get(_BROWSING, False) or _browses(item):
         return
+    # Linux's autogroup schedules each session as one group, at the group's nice: in pytest's
+    # session this process's nice would only count against JupyterLab, Chromium and the other
+    # process. In a session of its own, its group's nice weighs against the lectures' kernels.
+    try:
+        os.setsid()
+    except OSError:
+        pass  # already a session's or a process group's leader
     os.nice(BESIDE_THE_LECTURES)
+    try:
+        with open("/proc/self/autogroup", "w") as group:
+            group.write(str(os.getpriority(os.PRIO_PROCESS, 0)))
+    except OSError:
+        pass  # not Linux, or no autogroup
     for pid in _children():
         try:
             os.setpriority(os.PRIO_PROCESS, pid, os.getpriority(os.PRIO_PROCESS, pid) + BESIDE_THE_LECTURES)

@@ -109,15 +109,16 @@ def test_the_workers_of_a_nice_parent_keep_its_priority_in_their_own_sessions(tm
         import os, parlab
         def priority():
             group = "/proc/self/autogroup"  # "/autogroup-12 nice 5"; none without autogroup
-            nice = open(group).read().split()[-1] if os.path.exists(group) else "5"
-            return os.getpriority(os.PRIO_PROCESS, 0), nice
+            own = os.getpriority(os.PRIO_PROCESS, 0)
+            return own, open(group).read().split()[-1] if os.path.exists(group) else str(own)
         with parlab.Cluster(world_size=2) as cluster:
             print(cluster.run(priority))
     """))
     result = run_script(["nice", "-n", "5", sys.executable, str(script)], timeout=90,
                         env=dict(os.environ, PARLAB_FORK_SERVER=fork))
     assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.splitlines()[-1] == "[(5, '5'), (5, '5')]"
+    nice = min(os.nice(0) + 5, 19)  # this test may itself run at a lower priority (pytest -n 2)
+    assert result.stdout.splitlines()[-1] == str([(nice, str(nice))] * 2)
 
 
 def test_a_server_that_cannot_start_leaves_the_workers_to_fresh_interpreters(tmp_path):

@@ -1,6 +1,7 @@
 """The cluster runtime: results, output, failures, hangs, repair, placement, no orphans."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -195,12 +196,16 @@ def slow_compute_and_slow_message():
         p2p.recv(tensor, 0)  # sleeps until the message has arrived
 
 
+# What a RankTimeout adds where the ranks waited for a CPU (a loaded machine).
+BUSY_MACHINE = r" \(and [\d.]+ s waiting for a CPU that other programs held\)"
+
+
 def test_a_timeout_in_an_emulated_sleep_says_so_and_what_was_declared(cluster2):
     # Both ranks sleep for seconds beyond the timeout, which leaves them 1.5 s to start sleeping on a busy machine.
     link, devices = parlab.Link(latency=1.0, bandwidth=1e3), parlab.Devices(slowdown={1: 2.0})
     with cluster2.emulate(link=link, devices=devices), pytest.raises(parlab.RankTimeout) as info:
         cluster2.run(slow_compute_and_slow_message, timeout=1.5)
-    heading = str(info.value).split("\n")[0]
+    heading = re.sub(BUSY_MACHINE, "", str(info.value).split("\n")[0])
     assert heading.startswith(
         "ranks 0, 1 still running after 1.5 s. In the emulation: rank 1 was sleeping in the emulated link "
         "(declared: 1 s + bytes / (1 kB/s)); rank 0 was sleeping in an emulated device's compute (declared by a "
@@ -340,7 +345,9 @@ def test_a_killed_parent_leaves_no_worker_and_no_file(tmp_path, signum):
     while any(is_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(is_alive(pid) for pid in pids)
-    assert os.listdir(tmp) == []
+    # torch's compile cache (torchinductor_<user>, made by importing torch._dynamo, as the fork
+    # server does) is kept across runs by design: not a leftover of the cluster.
+    assert [name for name in os.listdir(tmp) if not name.startswith("torchinductor_")] == []
 
 
 def test_an_interrupted_call_frees_the_kernel_and_the_next_run_works(tmp_path):

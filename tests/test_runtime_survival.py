@@ -3,7 +3,9 @@ while starting, while their process group is rebuilt), calls from two threads at
 close() from another thread. Each test starts its own small cluster, since it breaks it."""
 
 import os
+import re
 import signal
+import subprocess
 import sys
 import textwrap
 import threading
@@ -16,6 +18,8 @@ from test_runtime import all_reduce_ranks, is_alive, run_script
 
 import parlab
 from parlab.collectives import ring_allreduce
+from parlab.runtime import cluster as cluster_module
+from parlab.runtime.process import waited_for_a_cpu_s
 
 pytestmark = pytest.mark.timeout(120)
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -249,3 +253,35 @@ def test_close_from_another_thread_ends_the_running_call():
     assert cluster.closed
     with pytest.raises(RuntimeError, match="closed"):
         cluster.run(all_reduce_ranks)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="Linux's schedstat is needed")
+def test_a_process_that_waits_for_a_busy_cpu_is_seen_waiting_and_a_sleeping_one_is_not():
+    # Two busy loops on one CPU take turns: each waits about as long as it runs.
+    loop = ("import os, time; os.sched_setaffinity(0, {0}); end = time.process_time() + 0.5\n"
+            "while time.process_time() < end: pass")
+    busy = [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(2)]
+    sleeping = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    time.sleep(1.0)
+    waits = [waited_for_a_cpu_s(p.pid) for p in busy]
+    asleep = waited_for_a_cpu_s(sleeping.pid)
+    for p in [*busy, sleeping]:
+        p.wait(timeout=30)
+    assert all(wait > 0.2 for wait in waits), waits
+    assert asleep < 0.1
+    assert waited_for_a_cpu_s(sleeping.pid) == 0.0  # gone
+
+
+def test_a_call_slowed_by_a_busy_machine_finishes_and_a_hang_still_times_out(cluster2, monkeypatch):
+    # As if every rank waited for a CPU for 80% of the time: the 0.5 s timeout stretches to 2.5 s.
+    started = time.monotonic()
+    monkeypatch.setattr(cluster_module, "waited_for_a_cpu_s", lambda pid: 0.8 * (time.monotonic() - started))
+    assert cluster2.run(time.sleep, 1.0, timeout=0.5) == [None, None]
+    started = time.monotonic()
+    with pytest.raises(parlab.RankTimeout) as info:
+        cluster2.run(time.sleep, 30, timeout=0.5)
+    assert 2.4 < time.monotonic() - started < 10
+    assert re.search(r"still running after 0.5 s \(and 2\.\d s waiting for a CPU that other programs held\)",
+                     str(info.value))
+    monkeypatch.undo()
+    assert cluster2.run(all_reduce_ranks) == [1.0, 1.0]

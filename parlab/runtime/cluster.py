@@ -28,6 +28,7 @@ from parlab.runtime import capacity, emulation
 from parlab.runtime import placement as placement_rules
 from parlab.runtime.errors import RankError, RankTimeout
 from parlab.runtime.pool import WorkerPool
+from parlab.runtime.process import waited_for_a_cpu_s
 
 # After the first rank fails, the others get this long to finish before they are taken for
 # stuck (typically waiting in a collective the failed rank never reached) and replaced.
@@ -156,9 +157,9 @@ class Cluster:
             origin = time.perf_counter_ns()
             self._dispatch(("run", call_id, payload, traced, regime))
             outputs = {rank: [] for rank in range(self.world_size)}
-            done, dead = {}, set()
+            done, dead, waited = {}, set(), 0.0
             try:
-                self._collect(call_id, timeout, outputs, done, dead)
+                waited = self._collect(call_id, timeout, outputs, done, dead)
             except KeyboardInterrupt:
                 stuck = self._stuck_stacks(done)
                 self._repair(dead | set(stuck))
@@ -178,7 +179,7 @@ class Cluster:
             if failures:
                 raise RankError(failures, stuck, dead=dead)
             if stuck:
-                raise RankTimeout(timeout, stuck, finished=done, regime=regime)
+                raise RankTimeout(timeout, stuck, finished=done, regime=regime, waited_for_a_cpu=waited)
             events = [event for rank in range(self.world_size) for event in done[rank][2]]
             results = [_deserialise(done[rank][1], rank) for rank in range(self.world_size)]
             return results, events, origin
@@ -213,14 +214,29 @@ class Cluster:
         """Gather every rank's output and answer into ``outputs`` and ``done`` (rank ->
         (ok, result or traceback, events)), and the ranks whose worker died into ``dead``,
         until all have answered, the timeout runs out, or the grace period after the first
-        failure ends (a short one after a death)."""
+        failure ends (a short one after a death). Returns the seconds of waiting for a CPU
+        that the timeout did not count.
+
+        The timeout counts the time the ranks had: it is extended by the longest time a rank
+        still running waited for a CPU that other programs held (``waited_for_a_cpu_s``), so a
+        busy machine slows a call down without turning it into a RankTimeout; a hang, where
+        the ranks sleep, or a loop that never ends, which runs, still times out."""
         pool = self._pool
-        limit = None if timeout is None else time.monotonic() + timeout
+        start, limit = time.monotonic(), None if timeout is None else time.monotonic() + timeout
+        waited_before = dict(enumerate(map(waited_for_a_cpu_s, pool.pids)))
+        failed = False
         while len(done) < self.world_size:
             remaining = None if limit is None else max(0.0, limit - time.monotonic())
             ready = wait(pool.pending_connections(done), remaining)
             if not ready:
-                return
+                if failed or timeout is None:
+                    return 0.0
+                waited = max(waited_for_a_cpu_s(pid) - waited_before[rank]
+                             for rank, pid in enumerate(pool.pids) if rank not in done)
+                if start + timeout + waited <= time.monotonic():
+                    return waited
+                limit = start + timeout + waited
+                continue
             for conn in ready:
                 rank = pool.rank_of(conn)
                 message = pool.receive(rank)
@@ -232,6 +248,7 @@ class Cluster:
                 elif message[0] == "done" and message[1] == call_id:
                     done[rank] = message[2:]
                 if rank in done and not done[rank][0]:
+                    failed = True
                     grace_end = time.monotonic() + (DEATH_GRACE_S if rank in dead else FAILURE_GRACE_S)
                     limit = grace_end if limit is None else min(limit, grace_end)
 

@@ -33,18 +33,21 @@ class RankTimeout(TimeoutError):
     """Ranks were still running when the call's timeout ran out: a hang, or too short a timeout.
 
     ``stuck`` maps each rank still running -> its Python stack at the moment of the timeout.
+    The timeout counts the ranks' own time: ``waited_for_a_cpu`` seconds spent waiting for a
+    CPU that other programs held were added to it (``Cluster._collect``).
     Their workers are replaced and the others re-join, so the next ``run`` starts on a fresh
     process group. ``regime`` is the call's ``parlab.runtime.emulation.Regime``: when a stuck
     rank was sleeping in the emulation (its stack ends in the emulation's sleep), the message
     says so and what was declared, instead of blaming an unmatched send or collective.
     """
 
-    def __init__(self, timeout, stuck, finished, regime=None):
+    def __init__(self, timeout, stuck, finished, regime=None, waited_for_a_cpu=0.0):
         self.timeout = timeout
         self.stuck = dict(sorted(stuck.items()))
         self.finished = sorted(finished)
+        busy = f" (and {waited_for_a_cpu:.1f} s waiting for a CPU that other programs held)" * (waited_for_a_cpu >= 0.1)
         head = (
-            f"{_ranks(self.stuck)} still running after {timeout:g} s"
+            f"{_ranks(self.stuck)} still running after {timeout:g} s{busy}"
             + (f" ({_ranks(self.finished)} finished)" if self.finished else "")
             + ". "
             + (_sleeping(self.stuck, regime) or "A send without a matching recv, or a collective that not every "

@@ -165,6 +165,17 @@ def _environment(settings, rank, conn_fd, stack_fd):
     return env
 
 
+def waited_for_a_cpu_s(pid):
+    """Seconds the main thread of process ``pid`` has spent ready to run while every CPU was
+    busy with other work (Linux's /proc/<pid>/schedstat, second field); 0.0 where that cannot
+    be read (not Linux, or the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as stats:
+            return int(stats.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def read_from(file, offset):
     """The text of an open file from ``offset`` on, read without moving the file's position
     (the worker writes through a descriptor that shares it)."""
