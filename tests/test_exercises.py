@@ -20,6 +20,7 @@ import textwrap
 import time
 
 import pytest
+from test_runtime import leftovers
 
 import parlab
 from parlab import cli, exercises, grade
@@ -423,7 +424,7 @@ def test_a_grader_killed_midway_leaves_no_file(tmp_path):
     finally:
         with contextlib.suppress(ProcessLookupError):  # the grading pytest, if it still runs
             os.killpg(process.pid, signal.SIGKILL)
-    assert os.listdir(tmp) == []
+    assert leftovers(tmp) == []
 
 
 def test_a_chunk_size_off_by_one_gets_a_hint_and_costs_one_test_per_task():

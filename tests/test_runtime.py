@@ -345,9 +345,7 @@ def test_a_killed_parent_leaves_no_worker_and_no_file(tmp_path, signum):
     while any(is_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(is_alive(pid) for pid in pids)
-    # torch's compile cache (torchinductor_<user>, made by importing torch._dynamo, as the fork
-    # server does) is kept across runs by design: not a leftover of the cluster.
-    assert [name for name in os.listdir(tmp) if not name.startswith("torchinductor_")] == []
+    assert leftovers(tmp) == []
 
 
 def test_an_interrupted_call_frees_the_kernel_and_the_next_run_works(tmp_path):
@@ -404,6 +402,13 @@ def run_script(command, timeout, env=None):
         stdout, stderr = process.communicate()
         pytest.fail(f"{command[-1]} did not finish within {timeout} s:\n{stderr[-2000:]}")
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def leftovers(folder):
+    """What a run left in ``folder``, its temporary folder. Not torch's compile cache
+    (torchinductor_<user>, made by importing torch._dynamo, as the fork server does), which is
+    kept across runs by design."""
+    return [name for name in os.listdir(folder) if not name.startswith("torchinductor_")]
 
 
 def is_alive(pid):

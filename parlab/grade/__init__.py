@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parlab.exercises import ROOT, refuse_name
+from parlab.runtime.process import share_workers
 
 # The whole run; each test has its own, much shorter, timeout (see parlab.grading_plugin).
 GRADING_TIMEOUT_S = 600
@@ -126,11 +127,18 @@ def run_grading(name=None, impl="exercises", root=ROOT, timeout=GRADING_TIMEOUT_
         command += ["--grade-progress", str(progress_write)]
         if name and name != topic:
             command += ["--grade-task", name]
-        pytest_process = subprocess.Popen(
-            command, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
-            pass_fds=(progress_write, report_file.fileno()),
-        )
-        os.close(progress_write)
+        # The grader's clusters fork their workers from this process's fork server (torch loaded).
+        shared = share_workers()
+        connection, variables = shared or (None, {})
+        try:
+            pytest_process = subprocess.Popen(
+                command, cwd=root, env={**env, **variables}, stdout=log, stderr=subprocess.STDOUT,
+                pass_fds=(progress_write, report_file.fileno(), *([connection.fileno()] if connection else [])),
+            )
+        finally:
+            os.close(progress_write)
+            if connection:
+                connection.close()
         finished = _follow(pytest_process, progress_read, timeout, progress or (lambda line: None))
         report_text, output = _read_back(report_file), _read_back(log)
     report = json.loads(report_text) if report_text else None

@@ -27,7 +27,7 @@ import sys
 import tempfile
 from multiprocessing.connection import Connection
 
-from parlab.runtime import fork_server
+from parlab.runtime import forks
 from parlab.runtime.errors import worker_ended
 
 # The folder that holds the parlab package, for workers started from a parent that found it
@@ -56,7 +56,7 @@ class WorkerProcess:
         stdin_read, stdin_write = os.pipe()
         fds = (stdin_read, self.log.fileno(), child_end.fileno(), self.stack.fileno())
         try:
-            proc = fork_server.start_worker(_environment(settings, self.rank, -1, -1), fds)
+            proc = forks.start_worker(_environment(settings, self.rank, -1, -1), fds)
         finally:
             os.close(stdin_read)
         if proc is None:
@@ -140,7 +140,14 @@ class WorkerProcess:
 def prepare_workers():
     """Have the fork server load torch now, so that the first workers start at once: for a
     process that will start clusters and has other work to do first."""
-    fork_server.prepare(worker_environment())
+    forks.prepare(worker_environment())
+
+
+def share_workers():
+    """For a child process that will start clusters (the grader's pytest): a connection to
+    this process's fork server, so that its workers start without loading torch once more,
+    as (socket, variables for the child's environment), or None (see ``forks.share``)."""
+    return forks.share(worker_environment())
 
 
 def worker_environment():
