@@ -1,11 +1,13 @@
-"""The lectures as a learner meets them: JupyterLab in a headless Chromium. For each lecture:
-open it, run all cells, wait for the kernel, and find no error output, no "Error displaying
-widget" and no label cut short; then move each slider, pick each other dropdown entry and
-toggle, press each button, and see the widget's output change without an error sentence
-(a button that measures on the cluster finds it closed by the lecture's last cell: the
-widget starts a new one). Last, save: what a learner reopens after closing the notebook must
-have, in every cell with a widget, a static picture (a PNG that decodes), since the widget's
-model is gone with the kernel.
+"""The lectures as a learner meets them: JupyterLab in a headless Chromium, loaded once (the
+slow part) in one page that opens each lecture in turn. For each lecture: open it, run all
+cells, wait for the kernel, and find no error output, no "Error displaying widget" and no
+label cut short; then move each slider, pick each other dropdown entry and toggle, press
+each button, and see the widget's output change without an error sentence (a button that
+measures on the cluster finds it closed by the lecture's last cell: the widget starts a new
+one). Last, save: what a learner reopens after closing the notebook must have, in every cell
+with a widget, a static picture (a PNG that decodes), since the widget's model is gone with
+the kernel. Then its kernel is shut down and its notebook disposed of: the next lecture is
+alone in the page (which is loaded afresh where a failure left anything behind).
 The run also serves as nbval's: the cells marked ``# NBVAL_CHECK_OUTPUT`` must give their
 stored outputs (tests/checked_outputs.py), so a full ``pytest`` runs each lecture once.
 
@@ -55,6 +57,17 @@ KERNEL_IDLE = f"""() => {{
     const kernel = window.jupyterapp && {NOTEBOOK} && {NOTEBOOK}.sessionContext?.session?.kernel;
     return !!kernel && kernel.status === 'idle';
 }}"""
+# The lecture at ``path`` is the notebook in front, and its kernel has started.
+OPENED = f"path => {NOTEBOOK}?.context?.path === path && ({KERNEL_IDLE})()"
+# What the page must not hold when a lecture opens: another notebook or the log console (the
+# selectors below search the whole page), or a dialog (it would cover the lecture).
+LEFT_BEHIND = ".jp-NotebookPanel, .jp-LogConsolePanel, .jp-Dialog"
+# Shut down the kernel of each open notebook (its clusters with it) and dispose of everything in
+# the main area: no "unsaved changes" dialog, and nothing of this lecture left in the page.
+CLOSE = """async () => { for (const widget of Array.from(window.jupyterapp.shell.widgets('main'))) {
+    await widget.sessionContext?.shutdown();
+    widget.dispose();
+} }"""
 # Run all cells; the command's promise settles when the last cell has run or one has failed.
 RUN_ALL = """async limit => Promise.race([window.jupyterapp.commands.execute('notebook:run-all-cells'),
     new Promise(resolve => setTimeout(() => resolve('timeout'), limit))])"""
@@ -114,10 +127,23 @@ def browser(tmp_path_factory):
         context.close()
 
 
+@pytest.fixture(scope="module")
+def page(lab, browser):
+    """One page of JupyterLab for all the lectures: loading the app takes ~10 s of Chromium's
+    CPU, opening a notebook in it about a second. Its own dialogs (leave the page with unsaved
+    changes?) are accepted."""
+    page = browser.new_page()
+    page.on("dialog", lambda dialog: dialog.accept())
+    started = time.monotonic()
+    _load(page, lab)
+    print(f"\nJupyterLab: load {time.monotonic() - started:.0f} s")
+    yield page
+    page.close()
+
+
 @pytest.mark.timeout(RUN_ALL_S + 300)
 @pytest.mark.parametrize("lecture", LECTURES)
-def test_the_lecture_runs_and_its_widgets_answer_in_jupyterlab(lecture, lab, browser):
-    page = browser.new_page()
+def test_the_lecture_runs_and_its_widgets_answer_in_jupyterlab(lecture, lab, page):
     timings, stderr = {}, []
     try:
         started = time.monotonic()
@@ -144,15 +170,24 @@ def test_the_lecture_runs_and_its_widgets_answer_in_jupyterlab(lecture, lab, bro
     finally:
         print(f"\n{lecture}: " + ", ".join(f"{what} {seconds:.0f} s" for what, seconds in timings.items())
               + "".join(f"\n  stderr output (a pink box) in {line}" for line in stderr))
-        page.evaluate(f"() => {NOTEBOOK}?.sessionContext?.shutdown()")  # its kernel and clusters
-        page.close()
+        page.evaluate(CLOSE)
+
+
+def _load(page, lab):
+    """Load JupyterLab in an emptied workspace (reset): it would otherwise reopen the lectures
+    open when the page was last left."""
+    page.goto(f"{lab['base']}/lab/workspaces/lectures?reset&token={lab['token']}")
+    page.wait_for_function("() => window.jupyterapp", timeout=120_000, polling=500)
+    page.evaluate("() => window.jupyterapp.restored.then(() => null)")
 
 
 def _open(page, lab, lecture):
-    # A workspace of its own: JupyterLab would otherwise reopen the lectures opened before.
-    workspace = pathlib.Path(lecture).stem.replace("_", "-")
-    page.goto(f"{lab['base']}/lab/workspaces/{workspace}/tree/{lecture}?token={lab['token']}")
-    page.wait_for_function(KERNEL_IDLE, timeout=120_000, polling=500)
+    """Open ``lecture`` in the loaded app and wait for its kernel; first load the app afresh
+    if a lecture before left anything behind (LEFT_BEHIND)."""
+    if page.locator(LEFT_BEHIND).count():
+        _load(page, lab)
+    page.evaluate("path => window.jupyterapp.commands.execute('docmanager:open', {path}).then(() => null)", lecture)
+    page.wait_for_function(OPENED, arg=lecture, timeout=120_000, polling=500)
 
 
 def _check_outputs(page, cells):
