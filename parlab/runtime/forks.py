@@ -52,9 +52,10 @@ def share(env):
     """For a child process that will start clusters with environment ``env``: a new
     connection to this process's server, as (socket, variables to add to the child's
     environment); pass the socket's descriptor to the child (``pass_fds``), then close it
-    here. None where forks are not used."""
+    here. None where this process has no server (the child starts its own, while it loads
+    everything else, rather than wait here for one) or forks are not used."""
     with _lock:
-        server = _current(env)
+        server = _server if _server is not None and _server.owner == os.getpid() and not _server.gone else None
         if server is None or server.key != _start_key(env) or not server.wait_ready():
             return None
         connection = server.connect()
