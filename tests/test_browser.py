@@ -42,10 +42,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="the browser test needs Chromium (apt-get install chromium)")
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
-# Lecture 00 last: it measures processes against threads on every core, and a suite's first
-# minute is its busiest (the other pytest process collects and loads torch at full priority
-# under `pytest -n 2`); the others' measurements run in declared emulated regimes.
-LECTURES = sorted((path.name for path in NOTEBOOKS.glob("*.ipynb")), key=lambda name: (name.startswith("00_"), name))
+LECTURES = sorted(path.name for path in NOTEBOOKS.glob("*.ipynb"))
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 # JupyterLab settings: every cell in the page (no windowing, so every output can be found), and
