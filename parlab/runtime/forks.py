@@ -217,6 +217,15 @@ class _Server:
     def _end(self):
         """The server is gone or failed: kill it and its forks (they would leave on their own,
         seeing their parent gone, but their ends must be known here)."""
+        self._kill_forks()
+        self.proc.kill()
+        self.proc.wait()
+        self.proc.stdin.close()
+        self.sock.close()
+        self.log.close()
+
+    def _kill_forks(self):
+        """Mark the server gone, kill the forks this process asked for, record their ends."""
         self.gone = True
         for pid in self.live:
             try:
@@ -225,11 +234,6 @@ class _Server:
                 pass
             self.ended[pid] = -signal.SIGKILL
         self.live.clear()
-        self.proc.kill()
-        self.proc.wait()
-        self.proc.stdin.close()
-        self.sock.close()
-        self.log.close()
 
 
 class _Shared(_Server):
@@ -248,14 +252,7 @@ class _Shared(_Server):
             self.sock.close()
 
     def _end(self):
-        self.gone = True
-        for pid in self.live:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.ended[pid] = -signal.SIGKILL
-        self.live.clear()
+        self._kill_forks()
         self.sock.close()
 
 
