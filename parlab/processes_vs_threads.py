@@ -132,6 +132,19 @@ def compare(cluster, replica_counts=(1, 2, 4), steps=20, repeats=4):
     return best
 
 
+def speedups(throughput, replica_counts=(1, 2, 4)):
+    """Each arrangement's throughputs (``compare``'s result) as speed-ups over one replica.
+
+    One replica is the same work in either arrangement (one thread, or one process), so its
+    throughput is the better of the two measurements of it: a burst of outside load during
+    one of them then cannot make that arrangement's later runs look like gains."""
+    if not replica_counts or replica_counts[0] != 1:
+        raise ValueError(f"replica_counts={tuple(replica_counts)} must start with 1: the speed-ups are over one "
+                         "replica, so measure N_d = 1 first, e.g. (1, 2, 4).")
+    one = max(values[0] for values in throughput.values())
+    return {arrangement: [v / one for v in values] for arrangement, values in throughput.items()}
+
+
 def _check_steps(steps):
     whole_number("steps", steps, "time at least one training step per replica, e.g. 20.")
 

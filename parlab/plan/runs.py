@@ -9,7 +9,7 @@ cluster places ranks on GPUs). ``one_process`` is the reference they are compare
 """
 
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ DDP_BUCKET_MB = 1  # about a layer per bucket: backward hides all but the last
 def train_plan(layout, B, forward_s, steps):
     """One rank's part: build the GPT, declare its layers' compute, wrap it in the layout's
     engine, train ``steps`` + 1 steps on the same batches as every rank; return this rank's
-    step times (the first dropped), its model-state bytes in the last step, read when the
+    step times (the first, a warm-up that skips the declared compute, dropped), its model-state bytes in the last step, read when the
     gradients are synchronized, before the optimizer's step (all model states alive; Adam's
     step counters, 4 bytes per parameter tensor, left out), and the full batch's mean loss
     at every step (the same on every rank). On a GPU also ``peak_bytes``, the most memory the
@@ -43,13 +43,15 @@ def train_plan(layout, B, forward_s, steps):
     on_gpu = device.type == "cuda"
     if on_gpu:
         torch.cuda.reset_peak_memory_stats(device)
-    step = _engine(gpt, N_d, t, K, zero, M, recompute, forward_s)
+    step, model = _engine(gpt, N_d, t, K, zero, M, recompute, forward_s)
+    declared = [m for m in model.modules() if isinstance(m, ComputeTime)]
     times, losses = [], []
-    for _ in range(steps + 1):
+    for i in range(steps + 1):
         tokens, targets = (part.to(device) for part in data.batch(B, CONFIG.s, generator))
         dist.barrier()
         start = time.perf_counter()
-        state_bytes, loss_sum = step(tokens, targets)
+        with _undeclared(declared) if i == 0 else nullcontext():  # the warm-up, not timed: no need to wait
+            state_bytes, loss_sum = step(tokens, targets)
         if on_gpu:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
@@ -78,6 +80,19 @@ def one_process(B, steps, shards=1, order=None, device="cpu"):
         backward_in_shards(lambda x, y: _loss(gpt(x), y), gpt.parameters(), parts, order)
         optimizer.step()
     return torch.stack(losses).cpu()
+
+
+@contextmanager
+def _undeclared(declared):
+    """The ``ComputeTime`` layers of ``declared`` take no time inside the block."""
+    kept = [(m.forward_s, m.backward_s) for m in declared]
+    for m in declared:
+        m.forward_s = m.backward_s = 0.0
+    try:
+        yield
+    finally:
+        for m, (forward_s, backward_s) in zip(declared, kept):
+            m.forward_s, m.backward_s = forward_s, backward_s
 
 
 class _Timed(nn.Module):
@@ -111,9 +126,10 @@ def _step_counter_bytes(optimizer):
 
 
 def _engine(gpt, N_d, t, K, zero, M, recompute, forward_s):
-    """step(tokens, targets) of the layout's engine (module table); it returns the rank's
-    model-state bytes read before the optimizer's step and the sum of the losses of the
-    samples this rank owns (each sample's loss is owned by one rank)."""
+    """(step, model): step(tokens, targets) of the layout's engine (module table), which returns
+    the rank's model-state bytes read before the optimizer's step and the sum of the losses of
+    the samples this rank owns (each sample's loss is owned by one rank); model holds the
+    rank's layers, their ``ComputeTime`` included."""
     if t > 1:
         return _tensor_parallel(gpt, N_d, zero, recompute, forward_s)
     if K > 1:
@@ -144,7 +160,7 @@ def _engine(gpt, N_d, t, K, zero, M, recompute, forward_s):
             optimizer.step()
             return state_bytes, loss_sum
 
-        return step
+        return step, gpt
     if zero == 3:
         from parlab.zero import FSDP
 
@@ -167,7 +183,7 @@ def _engine(gpt, N_d, t, K, zero, M, recompute, forward_s):
         engine.step()
         return state_bytes, loss_sum
 
-    return step
+    return step, gpt
 
 
 def _tensor_parallel(gpt, N_d, zero, recompute, forward_s):
@@ -186,7 +202,7 @@ def _tensor_parallel(gpt, N_d, zero, recompute, forward_s):
         owner = grid.tensor_parallel_ranks[0] == dist.get_rank()  # the row's ranks share the replica's loss
         return state_bytes, loss.item() * len(tokens) / N_d if owner else 0.0
 
-    return step
+    return step, grid.model
 
 
 def _pipeline(gpt, N_d, K, M, forward_s):
@@ -209,7 +225,7 @@ def _pipeline(gpt, N_d, K, M, forward_s):
         optimizer.zero_grad()
         return state_bytes, sum(loss.item() for loss in losses) * len(tokens) / (N_d * M) if losses else 0.0
 
-    return step
+    return step, stage
 
 
 class _Embedding(nn.Module):
