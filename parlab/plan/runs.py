@@ -30,11 +30,12 @@ DDP_BUCKET_MB = 1  # about a layer per bucket: backward hides all but the last
 def train_plan(layout, B, forward_s, steps):
     """One rank's part: build the GPT, declare its layers' compute, wrap it in the layout's
     engine, train ``steps`` + 1 steps on the same batches as every rank; return this rank's
-    step times (the first, a warm-up that skips the declared compute, dropped), its model-state bytes in the last step, read when the
-    gradients are synchronized, before the optimizer's step (all model states alive; Adam's
-    step counters, 4 bytes per parameter tensor, left out), and the full batch's mean loss
-    at every step (the same on every rank). On a GPU also ``peak_bytes``, the most memory the
-    rank's process held at once (``torch.cuda.max_memory_allocated``); None on a CPU."""
+    step times (the first, a warm-up that skips the declared compute, dropped), its
+    model-state bytes in the last step, read when the gradients are synchronized, before the
+    optimizer's step (all model states alive; Adam's step counters, 4 bytes per parameter
+    tensor, left out), and the full batch's mean loss at every step (the same on every rank).
+    On a GPU also ``peak_bytes``, the most memory the rank's process held at once
+    (``torch.cuda.max_memory_allocated``); None on a CPU."""
     N_d, t, K, zero, b, M, recompute = layout
     device = runtime.device()
     torch.manual_seed(0)
