@@ -103,6 +103,26 @@ def test_a_killed_parent_leaves_neither_server_nor_workers(tmp_path):
     assert not any(is_alive(pid) for pid in pids)
 
 
+def test_a_script_that_leaves_its_cluster_open_exits_quietly_and_leaves_no_worker(tmp_path):
+    # A learner's script or kernel that never calls close: at exit the server closes first
+    # (its atexit handler is the later one), then the cluster's finalizer stops the workers.
+    script = tmp_path / "left_open.py"
+    script.write_text(textwrap.dedent("""
+        import parlab
+        cluster = parlab.Cluster(world_size=2)
+        server = open(f"/proc/{cluster.pids[0]}/status").read().split("PPid:")[1].split()[0]
+        print(server, *cluster.pids, cluster.run(sum, [1, 2])[0], flush=True)
+    """))
+    result = run_script([sys.executable, str(script)], timeout=60)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    *pids, answer = result.stdout.split()[-4:]
+    assert answer == "3"
+    deadline = time.monotonic() + 10
+    while any(is_alive(int(pid)) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(is_alive(int(pid)) for pid in pids)
+
+
 @pytest.mark.parametrize("fork", ["1", "0"])
 def test_the_workers_of_a_nice_parent_keep_its_priority_in_their_own_sessions(tmp_path, fork):
     # Each worker leads a session; where Linux schedules sessions as groups, the group's nice counts.

@@ -202,9 +202,11 @@ class _Server:
         return None
 
     def close(self):
-        """At the parent's exit: the server leaves when its stdin closes."""
+        """At the parent's exit: its forks are killed and their ends recorded (a cluster left
+        open stops its workers after this, from its own finalizer), and the server leaves
+        when its stdin closes."""
         if not self.gone:
-            self.gone = True
+            self._kill_forks()
             self.proc.stdin.close()
             try:
                 self.proc.wait(timeout=1.0)
@@ -247,9 +249,9 @@ class _Shared(_Server):
         self.sock = sock
 
     def close(self):
+        """At this process's exit, as the parent's server's ``close``."""
         if not self.gone:
-            self.gone = True
-            self.sock.close()
+            self._end()
 
     def _end(self):
         self._kill_forks()
