@@ -1,10 +1,10 @@
 """The lectures as a learner meets them: JupyterLab in a headless Chromium, loaded once (the
 slow part) in one page that opens each lecture in turn. For each lecture: open it, run all
 cells, wait for the kernel, and find no error output, no "Error displaying widget" and no
-label cut short; then move each slider, pick another dropdown entry, click each other
-toggle, press each button, and see the widget's output change without an error sentence (a
-button that measures on the cluster finds it closed by the lecture's last cell: the widget
-starts a new one). Last, save: what a learner reopens after closing the notebook must have,
+label cut short; then move each slider, pick another dropdown entry and each other toggle
+(and back), press each button, and see the widget's output change without an error sentence
+(a button that measures on the cluster finds it closed by the lecture's last cell: the
+widget starts a new one). Last, save: what a learner reopens after closing the notebook must have,
 in every cell with a widget, a static picture (a PNG that decodes), since the widget's model
 is gone with the kernel. Then its kernel is shut down and its notebook disposed of: the next
 lecture is alone in the page (which is loaded afresh where a failure left anything behind).
@@ -222,26 +222,31 @@ def _check_stored_outputs(cells, notebook):
 
 
 def _use_every_control(page):
-    """Move every enabled slider one step, pick another entry of every dropdown, click every
-    toggle not chosen, then press every button; after each, the widget must show something
-    new and no error sentence (tests/test_widgets_*.py check what each control computes).
+    """Move every enabled slider one step and back, pick another dropdown entry and back,
+    click every other toggle and back, then press every button; after each, the widget must
+    show something new and no error sentence. Each control is put back before the next is
+    used: a button measures what the others chose (lecture 03's runs only K = 4 on 4 ranks).
     Returns the number of actions."""
     actions = 0
     for handle in page.locator(".jp-OutputArea-output .widget-slider .noUi-handle").all():
         if handle.evaluate("e => e.closest('.noUi-target').hasAttribute('disabled')"):
             continue
         at_end = handle.get_attribute("aria-valuenow") == handle.get_attribute("aria-valuemax")
-        key = "ArrowLeft" if at_end else "ArrowRight"
-        actions += _expect_update(page, handle, functools.partial(handle.press, key))
+        for key in (["ArrowLeft", "ArrowRight"] if at_end else ["ArrowRight", "ArrowLeft"]):
+            actions += _expect_update(page, handle, functools.partial(handle.press, key))
     for select in page.locator(".jp-OutputArea-output .widget-dropdown select").all():
         first = select.input_value()
         # The last other entry: a first entry such as the memory widget's "custom" may change nothing.
-        other = [v for v in select.evaluate("e => Array.from(e.options).map(o => o.value)") if v != first][-1]
-        actions += _expect_update(page, select, functools.partial(select.select_option, other))
+        for value in [v for v in select.evaluate("e => Array.from(e.options).map(o => o.value)") if v != first][-1:]:
+            for chosen in (value, first):
+                actions += _expect_update(page, select, functools.partial(select.select_option, chosen))
     for group in page.locator(".jp-OutputArea-output .widget-toggle-buttons").all():
-        for toggle in group.locator("button").all():
-            if "mod-active" not in toggle.get_attribute("class"):
+        toggles = group.locator("button").all()
+        active = [toggle for toggle in toggles if "mod-active" in toggle.get_attribute("class")]
+        for toggle in toggles:
+            if toggle not in active:
                 actions += _expect_update(page, toggle, toggle.click)
+                actions += sum(_expect_update(page, first, first.click) for first in active)
     for pressed in page.locator(".jp-OutputArea-output button.widget-button").all():
         actions += _expect_update(page, pressed, pressed.click)
     return actions
