@@ -20,9 +20,9 @@ def pytest_collection_modifyitems(config, items):
     Chromium and playwright are here), it also makes nbval's check of the cells marked
     ``# NBVAL_CHECK_OUTPUT``, so nbval's own run of that lecture is left out.
 
-    The browser test comes first: under ``pytest -n 3`` (pyproject.toml's addopts add
+    The browser test comes first: under ``pytest -n 2`` (pyproject.toml's addopts add
     ``--dist loadfile``) one process runs it from the start, the longest file by far, while
-    the others run the rest at a lower priority (``lower_priority_beside_the_lectures``)."""
+    the other runs the rest at a lower priority (``lower_priority_beside_the_lectures``)."""
     browsed = {item.callspec.params["lecture"] for item in items if _browses(item)}
     twice = {item for item in items if item.path.suffix == ".ipynb" and item.path.name in browsed}
     if twice:
@@ -33,10 +33,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 _BROWSING = pytest.StashKey[bool]()
-# How much lower the other processes' priority is: at nice 19 the kernel gives each under 2% of
+# How much lower the other process's priority is: at nice 19 the kernel gives it under 2% of
 # a core the lectures want (weights 15 against 1024), and every core they leave idle (their
-# emulated links and devices sleep). Their clusters' timeouts count only the time their ranks
-# had a CPU (parlab.runtime.cluster), and their emulated runs declare times long enough for a
+# emulated links and devices sleep). Its clusters' timeouts count only the time their ranks
+# had a CPU (parlab.runtime.cluster), and its emulated runs declare times long enough for a
 # late wake-up not to matter.
 BESIDE_THE_LECTURES = 19
 _DECIDED = []
@@ -62,7 +62,7 @@ def lower_priority_beside_the_lectures(item):
         return
     # Linux's autogroup schedules each session as one group, at the group's nice: in pytest's
     # session this process's nice would only count against JupyterLab, Chromium and the other
-    # processes. In a session of its own, its group's nice weighs against the lectures' kernels.
+    # process. In a session of its own, its group's nice weighs against the lectures' kernels.
     try:
         os.setsid()
     except OSError:

@@ -139,7 +139,7 @@ def test_the_workers_of_a_nice_parent_keep_its_priority_in_their_own_sessions(tm
     result = run_script(["nice", "-n", "5", sys.executable, str(script)], timeout=90,
                         env=dict(os.environ, PARLAB_FORK_SERVER=fork))
     assert result.returncode == 0, result.stderr[-2000:]
-    nice = min(os.nice(0) + 5, 19)  # this test may itself run at a lower priority (pytest -n 3)
+    nice = min(os.nice(0) + 5, 19)  # this test may itself run at a lower priority (pytest -n 2)
     assert result.stdout.splitlines()[-1] == str([(nice, str(nice))] * 2)
 
 
