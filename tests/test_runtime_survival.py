@@ -261,14 +261,19 @@ def test_a_process_that_waits_for_a_busy_cpu_is_seen_waiting_and_a_sleeping_one_
     loop = ("import os, time; os.sched_setaffinity(0, {0}); end = time.process_time() + 0.5\n"
             "while time.process_time() < end: pass")
     busy = [subprocess.Popen([sys.executable, "-c", loop]) for _ in range(2)]
-    sleeping = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2.0)"])
-    time.sleep(0.5)  # the sleeper has started (its start-up may wait for a CPU) and sleeps
+    # The sleeper says when its start-up (which may wait for a CPU) is over, then sleeps in
+    # a read until its stdin closes.
+    sleeping = subprocess.Popen([sys.executable, "-c", "import sys; print('asleep', flush=True); sys.stdin.read()"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert sleeping.stdout.readline() == "asleep\n"
     asleep = waited_for_a_cpu_s(sleeping.pid)
     time.sleep(0.5)
     waits = [waited_for_a_cpu_s(p.pid) for p in busy]
     asleep = waited_for_a_cpu_s(sleeping.pid) - asleep
+    sleeping.stdin.close()
     for p in [*busy, sleeping]:
         p.wait(timeout=30)
+    sleeping.stdout.close()
     assert all(wait > 0.2 for wait in waits), waits
     assert asleep < 0.01
     assert waited_for_a_cpu_s(sleeping.pid) == 0.0  # gone
