@@ -11,9 +11,9 @@ so L layers of M micro-batches take the planner's 6 Psi B s / (N peak) (8 with r
 The CPU's own work (the ranks' real arithmetic and Python's messages, 0.1 to 0.4 s a step on
 2 quiet shared cores, 0.6 s beside another busy program) adds to it: the declared device is
 slow (5 s of compute a step) so that it stays a small share. The warm-up step skips the
-declared compute (``runs.train_plan``). The model is ``CONFIG``, the GPT of lecture 07 with L = 4 layers
-(Psi = 817,920), trained with Adam in fp32 (``FP32_ADAM``, 4-byte activations in the
-messages). ``parlab.plan.runs`` is the ranks' side.
+declared compute (``runs.train_plan``). The model is ``CONFIG``, the GPT of lecture 07 with
+L = 4 layers (Psi = 817,920), trained with Adam in fp32 (``FP32_ADAM``, 4-byte activations in
+the messages). ``parlab.plan.runs`` is the ranks' side.
 
 What runs each plan, and the overlap the prediction assumes for it (``plan_time``'s
 ``overlapped``): parlab's engines, not DeepSpeed's or Megatron's, so what they do is costed:
