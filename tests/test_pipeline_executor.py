@@ -19,6 +19,7 @@ from parlab.pipeline.executor import PipelineExecutor, SleepLayer, forward_step,
 from parlab.pipeline.measure import measure_bubble
 from parlab.pipeline.schedule import gpipe, make_schedule, one_f_one_b
 from parlab.pipeline.simulate import simulate
+from parlab.runtime.process import waited_for_a_cpu_s
 
 IN, HIDDEN, OUT, LINEARS = 5, 12, 3, 8  # 8 Linear layers: up to K v = 8 stages of one Linear each
 BATCH, STEPS, LR = 24, 3, 0.1  # 24 samples split into M = 4, 6 or 8 micro-batches
@@ -263,11 +264,17 @@ def test_measured_bubble_matches_the_simulated_one(schedule, cluster4):
     path, and what it takes beyond its own simulation lengthens the step, so the bubble, by
     at most that over the step time. Allowed: 2 x that; a miss is measured once more (a
     real defect, such as ranks that wait for each other's whole step, misses by far more,
-    twice)."""
+    twice). On a machine busy with other programs (pytest -n 2 runs this beside the lectures, at
+    nice 19) a rank also waits for a CPU: the time the ranks waited, all together, is allowed
+    on top, the same way (parlab.runtime's timeouts count it too)."""
     cluster4.run(sleep_pipeline_step, schedule, 0.0, 0.0, timeout=30)  # a fresh cluster's first call is slow
+    waited = -sum(map(waited_for_a_cpu_s, cluster4.pids))
     measurement = measure_bubble(cluster4, schedule, 0.05, 0.05)
+    waited += sum(map(waited_for_a_cpu_s, cluster4.pids))
     assert measurement.simulated == pytest.approx(3 / 11)  # (K - 1) / (M + K - 1), in float64, real time: t_comm 0
-    assert abs(measurement.measured - measurement.simulated) <= measurement.bubble_tolerance, str(measurement)
+    busy = 2 * (1 - measurement.simulated) * waited / measurement.simulated_step
+    assert abs(measurement.measured - measurement.simulated) <= measurement.bubble_tolerance + busy, \
+        f"{measurement}; the ranks waited {waited * 1e3:.0f} ms for a CPU"
     assert len(measurement.timeline.select(kind=trace.COMPUTE)) == 4 * 2 * 8
 
 
