@@ -109,11 +109,13 @@ def test_a_script_that_leaves_its_cluster_open_exits_quietly_and_leaves_no_worke
     script = tmp_path / "left_open.py"
     script.write_text(textwrap.dedent("""
         import parlab
+        from test_fork_server import parent_and_command
         cluster = parlab.Cluster(world_size=2)
-        server = open(f"/proc/{cluster.pids[0]}/status").read().split("PPid:")[1].split()[0]
+        server = parent_and_command(cluster.pids[0])[0]
         print(server, *cluster.pids, cluster.run(sum, [1, 2])[0], flush=True)
     """))
-    result = run_script([sys.executable, str(script)], timeout=60)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])))
+    result = run_script([sys.executable, str(script)], timeout=60, env=env)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
     *pids, answer = result.stdout.split()[-4:]
     assert answer == "3"
