@@ -349,10 +349,13 @@ def test_a_killed_parent_leaves_no_worker_and_no_file(tmp_path, signum):
 
 
 def test_an_interrupted_call_frees_the_kernel_and_the_next_run_works(tmp_path):
-    # Jupyter's "interrupt kernel" is a SIGINT to the parent while it waits for the ranks.
+    # Jupyter's "interrupt kernel" is a SIGINT to the parent while it waits for the ranks. The
+    # script handles SIGINT itself: started from a shell's background job (as CI may start
+    # pytest), it would inherit SIGINT ignored, and Python then leaves it ignored.
     script = tmp_path / "interrupt.py"
     script.write_text(textwrap.dedent("""
         import os, signal, threading, time, parlab
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a Jupyter kernel's, whatever the parent ignores
         with parlab.Cluster(world_size=2) as cluster:
             threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
             start = time.monotonic()

@@ -125,6 +125,7 @@ def test_an_interrupted_start_leaves_no_worker_even_if_the_exception_is_kept(tmp
     script.write_text(textwrap.dedent("""
         import os, signal, threading, parlab
         from test_runtime_survival import _worker_processes
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # not inherited ignored (a shell's background job)
         threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT)).start()
         try:
             parlab.Cluster(world_size=2, start_timeout=60)
