@@ -305,10 +305,10 @@ def test_unknown_topics_are_refused_with_the_list_of_topics(capsys):
 
 def test_a_misspelt_name_is_refused_with_the_closest_before_anything_runs(monkeypatch, capsys):
     # Before, parlab.check("compression.randk") graded for 2.6 s before saying it does not exist.
-    def no_subprocess(*args, **kwargs):
-        raise AssertionError("grading started a subprocess for a name that does not exist")
+    def no_process(*args, **kwargs):
+        raise AssertionError("grading started a process for a name that does not exist")
 
-    monkeypatch.setattr(grade.subprocess, "Popen", no_subprocess)
+    monkeypatch.setattr(grade, "start_module", no_process)
     with pytest.raises(ValueError, match=r"^there is no task 'compression\.randk': did you mean "
                                          r"'compression\.rand_k'\?$"):
         parlab.check("compression.randk")

@@ -1,12 +1,15 @@
 """Workers forked from an interpreter that has loaded torch (parlab.runtime.fork_server)
 behave as fresh interpreters do: same results, same reports of how they ended, nothing left
-when the parent dies; a worker whose start-up environment differs is a fresh interpreter."""
+when the parent dies; a worker whose start-up environment differs is a fresh interpreter.
+So does a program run as a fork of the server (the grader's pytest), whose workers fork from
+the same server."""
 
 import json
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -187,11 +190,11 @@ def run_child(tmp_path, env, pass_fds=()):
 
 def test_a_child_given_the_server_forks_its_workers_from_it_and_the_server_serves_on(tmp_path):
     # The grader's pytest does this: its clusters start without loading torch once more.
-    from parlab.runtime import process
+    from parlab.runtime import forks, process
 
     with parlab.Cluster(world_size=2, timeout=60) as cluster:
         server = parent_and_command(cluster.pids[0])[0]
-    connection, variables = process.share_workers()
+    connection, variables = forks.share(process.worker_environment())
     try:
         child = run_child(tmp_path, dict(os.environ, **variables), pass_fds=(connection.fileno(),))
     finally:
@@ -214,3 +217,61 @@ def test_a_worker_starts_in_the_folder_of_the_process_that_asked(tmp_path, monke
     monkeypatch.chdir(tmp_path)
     with parlab.Cluster(world_size=2, timeout=60) as cluster:
         assert cluster.run(os.getcwd) == [str(tmp_path)] * 2
+
+
+PROGRAM = textwrap.dedent("""
+    import json, os, sys
+    first = sys.path[0]  # the folder, as for python -m
+    sys.path.insert(0, {tests!r})
+    import parlab
+    from test_fork_server import parent_and_command
+    from test_runtime import all_reduce_ranks
+    with parlab.Cluster(world_size=2, timeout=60) as cluster:
+        results = cluster.run(all_reduce_ranks)
+        servers = sorted({{parent_and_command(pid)[0] for pid in cluster.pids}})
+    answer = {{"results": results, "servers": servers, "parent": os.getppid(), "argv": sys.argv[1:],
+              "folder": os.getcwd(), "mark": os.environ.get("MARK"), "path": first}}
+    os.write(int(sys.argv[1]), json.dumps(answer).encode())
+    print("to the log")
+    sys.exit(3)
+""")
+
+
+def test_a_program_runs_as_a_fork_of_the_server_as_python_m_would_and_its_workers_fork_from_it(tmp_path):
+    from parlab.runtime import process
+
+    (tmp_path / "program.py").write_text(PROGRAM.format(tests=TESTS))
+    with parlab.Cluster(world_size=2, timeout=60) as cluster:
+        server = parent_and_command(cluster.pids[0])[0]
+    read, write = os.pipe()
+    with tempfile.TemporaryFile() as log, os.fdopen(read) as answers:
+        program = process.start_module("program", [str(write), "x"], dict(os.environ, MARK="set"), tmp_path, log,
+                                       pass_fds=(write,))
+        os.close(write)
+        assert program.wait(timeout=90) == 3
+        answer = json.loads(answers.read())
+        log.seek(0)
+        assert log.read().decode() == "to the log\n"
+    assert answer == {"results": [1.0, 1.0], "servers": [server], "parent": server, "argv": [str(write), "x"],
+                      "folder": str(tmp_path), "mark": "set", "path": str(tmp_path)}
+
+
+def test_a_program_ends_when_the_process_that_asked_for_it_dies(tmp_path):
+    (tmp_path / "sleeper.py").write_text("import time\ntime.sleep(120)\n")
+    script = tmp_path / "parent.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, tempfile, time
+        from parlab.runtime import process
+        program = process.start_module("sleeper", [], dict(os.environ), {str(tmp_path)!r}, tempfile.TemporaryFile())
+        time.sleep(0.5)
+        print(program.pid, program.poll(), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    result = run_script([sys.executable, str(script)], timeout=60)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+    pid, running = result.stdout.split()[-2:]
+    assert running == "None"  # it was sleeping when its asker died
+    deadline = time.monotonic() + 10
+    while is_alive(int(pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not is_alive(int(pid))

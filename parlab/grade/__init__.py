@@ -23,7 +23,6 @@ as an error) reports each task as it finishes.
 import ast
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -31,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from parlab.exercises import ROOT, refuse_name
-from parlab.runtime.process import share_workers
+from parlab.runtime.process import start_module
 
 # The whole run; each test has its own, much shorter, timeout (see parlab.grading_plugin).
 GRADING_TIMEOUT_S = 600
@@ -121,24 +120,19 @@ def run_grading(name=None, impl="exercises", root=ROOT, timeout=GRADING_TIMEOUT_
     # report through /dev/fd/N, the descriptor it inherits.
     with tempfile.TemporaryFile("w+") as report_file, tempfile.TemporaryFile("w+") as log:
         progress_read, progress_write = os.pipe()
-        command = [sys.executable, "-m", "pytest", *files, "-q", "-o", "addopts=", "-p", "no:cacheprovider"]
+        command = [*files, "-q", "-o", "addopts=", "-p", "no:cacheprovider"]
         command += ["-p", "pytest_timeout", "-p", "parlab.grading_plugin"]
         command += ["--impl", str(impl_dir), "--grade-report", f"/dev/fd/{report_file.fileno()}"]
         command += ["--grade-progress", str(progress_write)]
         if name and name != topic:
             command += ["--grade-task", name]
-        # The grader's clusters fork their workers from this process's fork server (torch loaded).
-        shared = share_workers()
-        connection, variables = shared or (None, {})
+        # A fork of this process's fork server (torch loaded), whose clusters fork their
+        # workers from it too; else a fresh interpreter.
         try:
-            pytest_process = subprocess.Popen(
-                command, cwd=root, env={**env, **variables}, stdout=log, stderr=subprocess.STDOUT,
-                pass_fds=(progress_write, report_file.fileno(), *([connection.fileno()] if connection else [])),
-            )
+            pytest_process = start_module("pytest", command, env, root, log,
+                                          pass_fds=(progress_write, report_file.fileno()))
         finally:
             os.close(progress_write)
-            if connection:
-                connection.close()
         finished = _follow(pytest_process, progress_read, timeout, progress or (lambda line: None))
         report_text, output = _read_back(report_file), _read_back(log)
     report = json.loads(report_text) if report_text else None

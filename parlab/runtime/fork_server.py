@@ -14,25 +14,34 @@ OMP_NUM_THREADS, ...) is started as a fresh interpreter instead, as are all work
 or with PARLAB_FORK_SERVER=0 (to run code at a worker's interpreter start-up, say). A fork
 takes the asking process's working folder, and its priority where that is lower.
 
-A child process that starts clusters of its own (the grader's pytest) can use its parent's
-server instead of loading torch into one more (``forks.share``): it inherits a connection to it.
+A program that starts clusters of its own (the grader's pytest) runs as a fork of the server
+too, ``python -m module`` without loading torch, with a connection to the server for its
+workers; or, started as a fresh interpreter, it inherits a connection (``forks.share``).
 
 Messages (pickled, one per packet): parent -> server ``("fork", environment, folder, nice)``
-with the worker's four descriptors attached (stdin, log, connection, stack), or
-``("connect",)`` with a new connection attached (for a child, which then sends its own
-requests on it); server -> parent ``("ready",)`` once, then ``("started", pid)`` or
-``("failed", traceback)`` per request, and ``("ended", pid, exit_code)`` on the connection
-that asked for the fork, whenever it ends (exit codes as ``subprocess`` gives them).
+with the worker's four descriptors attached (stdin, log, connection, stack);
+``("run", environment, folder, nice, argv, numbers, digest)`` with the program's watch pipe,
+log and the descriptors it is given at ``numbers`` attached; or ``("connect",)`` with a new
+connection attached (for a child, which then sends its own requests on it); server -> parent
+``("ready",)`` once, then ``("started", pid)`` or ``("failed", traceback)`` per request, and
+``("ended", pid, exit_code)`` on the connection that asked for the fork, whenever it ends
+(exit codes as ``subprocess`` gives them).
 """
 
+import atexit
+import fcntl
 import os
 import pickle
+import runpy
 import select
 import signal
 import socket
+import sys
+import threading
 import traceback
 
 PACKET = 1 << 20
+MAX_FDS = 16  # a request's descriptors, at most
 
 
 def _serve():
@@ -56,7 +65,7 @@ def _serve():
             os.read(wake_read, 4096)
             _reap(asked)
         for connection in [c for c in connections if c in readable]:
-            message, fds, _, _ = socket.recv_fds(connection, PACKET, 4)
+            message, fds, _, _ = socket.recv_fds(connection, PACKET, MAX_FDS)
             if not message and connection is control:
                 os._exit(0)
             if not message:  # a child that shared the server has ended
@@ -65,20 +74,32 @@ def _serve():
             elif pickle.loads(message)[0] == "connect":
                 connections.append(socket.socket(fileno=fds[0]))
             else:
-                _fork(pickle.loads(message)[1:], fds, connection, asked, (wake_read, wake_write))
+                kind, *request = pickle.loads(message)
+                _fork(kind, request, fds, connection, asked, connections, (wake_read, wake_write))
                 _reap(asked)
 
 
-def _fork(request, fds, connection, asked, wake_fds):
+def _fork(kind, request, fds, connection, asked, connections, wake_fds):
+    # A program gets a connection of its own, for its workers; a worker needs none.
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET) if kind == "run" else (None, None)
     try:
         pid = os.fork()
     except OSError:
         _tell(connection, ("failed", traceback.format_exc()))
         pid = None
+    if pid == 0 and kind == "run":
+        ours.close()
+        _become_program(request, fds, theirs)
     if pid == 0:
         _become_worker(request, fds, wake_fds)
     for fd in fds:
         os.close(fd)
+    if theirs is not None:
+        theirs.close()
+        if pid:
+            connections.append(ours)  # the program's requests for workers come in on it
+        else:
+            ours.close()
     if pid:
         asked[pid] = connection
         _tell(connection, ("started", pid))
@@ -131,6 +152,74 @@ def _become_worker(request, fds, wake_fds):
         traceback.print_exc()
         os._exit(1)
     os._exit(0)
+
+
+def _become_program(request, fds, connection):
+    """In the fork: become ``python -m module args`` as a fresh interpreter would (the
+    descriptors it is given at their numbers, its folder first on sys.path, its environment),
+    with ``connection`` to this server for its workers; exit when the asking process's end of
+    the watch pipe closes (it died), taking this program's session along."""
+    env, folder, nice, argv, numbers, digest = request
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.setsid()
+        watch, connection = _renumber(fds, numbers, connection.detach())
+        os.environ.clear()
+        os.environ.update(env)
+        from parlab.runtime import forks
+
+        forks.inherit(f"{connection}:{digest}")
+        threading.Thread(target=_exit_when_closed, args=(watch,), daemon=True).start()
+        os.chdir(folder)
+        if nice > os.getpriority(os.PRIO_PROCESS, 0):
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
+        sys.argv, sys.path[0] = list(argv), folder
+        code = _run_module(argv[0])
+        sys.stdout.flush()
+        sys.stderr.flush()
+        atexit._run_exitfuncs()
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(code)
+
+
+def _renumber(fds, numbers, connection):
+    """Put the given descriptors (``fds[2:]``) at ``numbers``, the log at 1 and 2, /dev/null at
+    0, and close every other one but the watch pipe and ``connection`` (moved out of the way
+    first); returns the numbers of these two."""
+    watch, log, *given = fds
+    top = max([*_open_descriptors(), *numbers]) + 1
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, top) for fd in (watch, log, connection, *given)]
+    for fd, number in zip(moved[3:], numbers):
+        os.dup2(fd, number)
+    os.dup2(moved[1], 1)
+    os.dup2(moved[1], 2)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    for fd in _open_descriptors() - {0, 1, 2, moved[0], moved[2], *numbers}:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    return moved[0], moved[2]
+
+
+def _run_module(module):
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as end:
+        if end.code is None or isinstance(end.code, int):
+            return end.code or 0
+        print(end.code, file=sys.stderr)
+        return 1
+    return 0
+
+
+def _exit_when_closed(fd):
+    select.select([fd], [], [])
+    os.killpg(0, signal.SIGKILL)
 
 
 def _open_descriptors():

@@ -1,8 +1,8 @@
-"""Asking the fork server (``parlab.runtime.fork_server``) for workers: this process's
-server, started on first use or inherited from the parent (``share``), and a handle per
-forked worker that waits on it like a ``subprocess.Popen``. A worker the server cannot fork
-(another start-up environment, no Linux, PARLAB_FORK_SERVER=0, a server that failed to
-start) is None here: the caller starts a fresh interpreter instead."""
+"""Asking the fork server (``parlab.runtime.fork_server``) for workers and programs: this
+process's server, started on first use or inherited from the parent (``share``), and a handle
+per fork that waits on it like a ``subprocess.Popen``. A fork the server cannot make (another
+start-up environment, no Linux, PARLAB_FORK_SERVER=0, a server that failed to start) is None
+here: the caller starts a fresh interpreter instead."""
 
 import atexit
 import hashlib
@@ -39,6 +39,25 @@ def start_worker(env, fds):
         if server is None or server.key != _start_key(env) or not server.wait_ready():
             return None
         return server.fork(env, fds)
+
+
+def start_program(argv, env, folder, fds, workers_env):
+    """Fork ``python -m argv[0] argv[1:]`` in ``folder`` with environment ``env``, its
+    stdout and stderr going to ``fds[0]``, given ``fds[1:]`` at the same numbers; its
+    workers, with environment ``workers_env``, fork from the same server. Returns its process
+    handle (it is killed if this process dies), or None (see the module's docstring)."""
+    with _lock:
+        server = _current(workers_env)
+        if server is None or server.key != _start_key(workers_env) or not server.wait_ready():
+            return None
+        return server.run(argv, env, folder, fds)
+
+
+def inherit(given):
+    """In a program the server became (``fork_server``): ``given`` is the connection to use,
+    as a fresh interpreter reads it from its environment (``SHARED``) at import."""
+    global _inherited
+    _inherited = given
 
 
 def prepare(env):
@@ -140,7 +159,26 @@ class _Server:
         return self.ready
 
     def fork(self, env, fds):
-        request = ("fork", env, os.getcwd(), os.getpriority(os.PRIO_PROCESS, 0))
+        return self._ask(("fork", env, os.getcwd(), os.getpriority(os.PRIO_PROCESS, 0)), fds)
+
+    def run(self, argv, env, folder, fds):
+        """A program (``start_program``) and the write end of its watch pipe, which only this
+        process holds: when it dies, the pipe closes and the program ends."""
+        watch, held = os.pipe()
+        request = ("run", env, folder, os.getpriority(os.PRIO_PROCESS, 0), list(argv), list(fds[1:]),
+                   _digest(self.key))
+        try:
+            program = self._ask(request, (watch, *fds))
+        finally:
+            os.close(watch)
+        if program is None:
+            os.close(held)
+        else:
+            program.held = held
+        return program
+
+    def _ask(self, request, fds):
+        """Send ``request`` with ``fds``; the fork's handle, or None if it failed."""
         with self.lock:
             try:
                 socket.send_fds(self.sock, [pickle.dumps(request)], list(fds))
@@ -259,10 +297,11 @@ class _Shared(_Server):
 
 
 class _Forked:
-    """A forked worker, held like a ``subprocess.Popen``: pid, poll, wait."""
+    """A fork (a worker or a program), held like a ``subprocess.Popen``: pid, poll, wait,
+    kill (its session)."""
 
     def __init__(self, server, pid):
-        self.server, self.pid, self.returncode = server, pid, None
+        self.server, self.pid, self.returncode, self.held = server, pid, None, None
 
     def poll(self):
         return self.wait(timeout=0.0, raise_on_timeout=False)
@@ -270,6 +309,16 @@ class _Forked:
     def wait(self, timeout=None, raise_on_timeout=True):
         if self.returncode is None:
             self.returncode = self.server.exit_code(self.pid, timeout)
+        if self.returncode is not None and self.held is not None:
+            os.close(self.held)
+            self.held = None
         if self.returncode is None and raise_on_timeout:
-            raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout)
+            raise subprocess.TimeoutExpired(f"fork {self.pid}", timeout)
         return self.returncode
+
+    def kill(self):
+        if self.poll() is None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

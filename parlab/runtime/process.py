@@ -143,16 +143,32 @@ def prepare_workers():
     forks.prepare(worker_environment())
 
 
-def share_workers():
-    """For a child process that will start clusters (the grader's pytest): a connection to
-    this process's fork server, so that its workers start without loading torch once more,
-    as (socket, variables for the child's environment), or None (see ``forks.share``)."""
-    return forks.share(worker_environment())
+def start_module(module, args, env, folder, log, pass_fds=()):
+    """``python -m module args`` in ``folder`` with environment ``env``, its stdout and stderr
+    in ``log``, ``pass_fds`` kept at their numbers: a process handle (pid, poll, wait, kill,
+    returncode). A program that starts clusters (the grader's pytest) is best a fork of the
+    fork server: it starts without loading torch, and its workers fork from the same server.
+    Otherwise a fresh interpreter, given a connection to this process's server if it has one."""
+    fds, folder = (log.fileno(), *pass_fds), os.fspath(folder)
+    program = forks.start_program([module, *args], env, folder, fds, worker_environment(env))
+    if program is not None:
+        return program
+    shared = forks.share(worker_environment(env))
+    connection, variables = shared or (None, {})
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *args], cwd=folder, env={**env, **variables},
+            stdout=log, stderr=subprocess.STDOUT,
+            pass_fds=(*pass_fds, *([connection.fileno()] if connection else [])),
+        )
+    finally:
+        if connection:
+            connection.close()
 
 
-def worker_environment():
-    """The parent's environment, with the parlab package findable."""
-    env = dict(os.environ)
+def worker_environment(env=None):
+    """The parent's environment (or ``env``), with the parlab package findable."""
+    env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [PACKAGE_ROOT, env.get("PYTHONPATH")]))
     return env
 
