@@ -40,8 +40,8 @@ import sys
 import threading
 import traceback
 
-PACKET = 1 << 20
-MAX_FDS = 16  # a request's descriptors, at most
+from parlab.runtime import forks
+from parlab.runtime.forks import MAX_FDS, PACKET
 
 
 def _serve():
@@ -167,8 +167,6 @@ def _become_program(request, fds, connection):
         watch, connection = _renumber(fds, numbers, connection.detach())
         os.environ.clear()
         os.environ.update(env)
-        from parlab.runtime import forks
-
         forks.inherit(f"{connection}:{digest}")
         threading.Thread(target=_exit_when_closed, args=(watch,), daemon=True).start()
         os.chdir(folder)

@@ -17,11 +17,11 @@ import tempfile
 import threading
 import time
 
-from parlab.runtime.fork_server import PACKET
-
 # The variables an interpreter reads as it starts or loads torch: a fork has the server's.
 START_VARIABLES = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "TORCH_", "CUDA_", "NCCL_", "PARLAB_FORK")
 READY_TIMEOUT_S = 120.0
+PACKET = 1 << 20  # a message's bytes, at most
+MAX_FDS = 16  # a request's descriptors, at most
 # A child's inherited connection to its parent's server: "descriptor:key", read once, here.
 SHARED = "PARLAB_SHARED_FORKS"
 _inherited = os.environ.pop(SHARED, None)
