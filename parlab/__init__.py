@@ -12,10 +12,10 @@ Every module of the package is reachable from here (``parlab.collectives``, ``pa
 import functools
 import importlib
 
-from parlab.runtime import Cluster, Devices, Link, Nodes, RankError, RankTimeout, Straggler, device, launch
+from parlab.runtime import Cluster, Devices, Link, Mesh, Nodes, RankError, RankTimeout, Straggler, device, launch
 
 __version__ = "0.1.0"
-__all__ = ["Cluster", "Devices", "Link", "Nodes", "RankError", "RankTimeout", "Straggler", "check", "device",
+__all__ = ["Cluster", "Devices", "Link", "Mesh", "Nodes", "RankError", "RankTimeout", "Straggler", "check", "device",
            "hint", "launch", "show"]
 
 # The plumbing of the `parlab` command and of pytest; every other module is for learners.

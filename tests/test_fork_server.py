@@ -275,3 +275,27 @@ def test_a_program_ends_when_the_process_that_asked_for_it_dies(tmp_path):
     while is_alive(int(pid)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not is_alive(int(pid))
+
+
+def test_a_program_of_a_nice_parent_keeps_its_priority_in_its_own_session(tmp_path):
+    # Before, the forked grader's session ran at nice 0 beside the lectures, its parent at 19.
+    (tmp_path / "priority.py").write_text(textwrap.dedent("""
+        import os
+        group = "/proc/self/autogroup"  # "/autogroup-12 nice 5"; none without autogroup
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        print(own, open(group).read().split()[-1] if os.path.exists(group) else own, os.getsid(0) == os.getpid())
+    """))
+    script = tmp_path / "nice.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, tempfile
+        from parlab.runtime import process
+        with tempfile.TemporaryFile() as log:
+            program = process.start_module("priority", [], dict(os.environ), {str(tmp_path)!r}, log)
+            assert program.wait(timeout=60) == 0
+            log.seek(0)
+            print(log.read().decode().strip())
+    """))
+    result = run_script(["nice", "-n", "5", sys.executable, str(script)], timeout=90)
+    assert result.returncode == 0, result.stderr[-2000:]
+    nice = min(os.nice(0) + 5, 19)
+    assert result.stdout.splitlines()[-1] == f"{nice} {nice} True"  # its own session: a fork, not a child

@@ -141,8 +141,7 @@ def _become_worker(request, fds, wake_fds):
             except OSError:
                 pass
         os.chdir(folder)
-        if nice > os.getpriority(os.PRIO_PROCESS, 0):
-            os.setpriority(os.PRIO_PROCESS, 0, nice)  # only ever lower: raising needs privileges
+        _take_priority(nice)
         os.environ.clear()
         os.environ.update(env)
         from parlab.runtime import worker
@@ -170,8 +169,7 @@ def _become_program(request, fds, connection):
         forks.inherit(f"{connection}:{digest}")
         threading.Thread(target=_exit_when_closed, args=(watch,), daemon=True).start()
         os.chdir(folder)
-        if nice > os.getpriority(os.PRIO_PROCESS, 0):
-            os.setpriority(os.PRIO_PROCESS, 0, nice)
+        _take_priority(nice)
         sys.argv, sys.path[0] = list(argv), folder
         code = _run_module(argv[0])
         sys.stdout.flush()
@@ -181,6 +179,19 @@ def _become_program(request, fds, connection):
         traceback.print_exc()
         os._exit(1)
     os._exit(code)
+
+
+def _take_priority(nice):
+    """The asking process's priority where it is lower (raising needs privileges), for this
+    process and for its session's group, which is what Linux's autogroup weighs against
+    other sessions (a worker does the same as it starts, ``worker._keep_priority``)."""
+    if nice > os.getpriority(os.PRIO_PROCESS, 0):
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    try:
+        with open("/proc/self/autogroup", "w") as group:
+            group.write(str(os.getpriority(os.PRIO_PROCESS, 0)))
+    except OSError:
+        pass  # not Linux, or no autogroup
 
 
 def _renumber(fds, numbers, connection):
