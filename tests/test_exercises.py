@@ -416,9 +416,9 @@ def test_a_grader_killed_midway_leaves_no_file(tmp_path):
         from parlab import grade
         grade.run_grading("collectives", impl={str(tmp_path)!r}, progress=lambda line: os.kill(os.getpid(), 9))
     """))
-    # Its own session, so that the grading pytest left behind can be stopped with it.
+    # Its own process group, so that a grading pytest left behind can be stopped with it.
     process = subprocess.Popen([sys.executable, str(script)], env=dict(os.environ, TMPDIR=str(tmp)),
-                               start_new_session=True, stderr=subprocess.PIPE, text=True)
+                               process_group=0, stderr=subprocess.PIPE, text=True)
     try:
         assert process.wait(timeout=90) == -signal.SIGKILL, process.stderr.read()[-2000:]
     finally:

@@ -393,10 +393,11 @@ def test_launch_runs_in_process_under_torchrun(tmp_path):
 
 
 def run_script(command, timeout, env=None):
-    """Run a command in its own session; on timeout kill the whole session, so that no
-    grandchild (a torchrun worker, say) outlives the test."""
+    """Run a command in its own process group; on timeout kill the whole group, so that no
+    grandchild (a torchrun agent, say) outlives the test. Not a session of its own: where
+    Linux schedules sessions as groups, a new one would run at nice 0 beside the lectures."""
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, process_group=0, env=env
     )
     try:
         stdout, stderr = process.communicate(timeout=timeout)

@@ -47,6 +47,7 @@ from parlab.runtime.forks import MAX_FDS, PACKET
 def _serve():
     """The server: load torch, then fork a worker per request until the parent is gone."""
     control = socket.socket(fileno=int(os.environ.pop("PARLAB_FORK_SERVER_FD")))
+    _take_priority(os.getpriority(os.PRIO_PROCESS, 0))  # it leads a session: its group takes its nice
     import cloudpickle  # noqa: F401
     import torch._dynamo  # noqa: F401  (a torch.optim optimizer loads it as it is made: 2 s more)
     import torch.distributed  # noqa: F401
