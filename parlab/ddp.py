@@ -110,16 +110,17 @@ def trainable_parameters(module):
 
 
 class DDP(torch.nn.Module):
-    """Wrap ``module`` for data-parallel training on the default process group (N_d ranks).
+    """Wrap ``module`` for data-parallel training over ``group`` (N_d ranks; default: all of
+    them), e.g. ``mesh.group("dp")`` of a ``parlab.Mesh``.
 
-    Construction broadcasts rank 0's parameters and buffers to every rank, so the replicas
-    start equal; the ranks must then build the same module. Gradients of the trainable
+    Construction broadcasts the group's first rank's parameters and buffers to its other
+    ranks, so the replicas start equal; the ranks must then build the same module. Gradients of the trainable
     parameters (``requires_grad``) are averaged; frozen ones are left alone, and a
     parameter reachable twice (tied weights) is one parameter, reduced once.
 
     variant: "naive" | "flat" | "overlapped" | "bucketed" (table above); ``bucket_cap_mb``
     is used by "bucketed".
-    all_reduce: ``all_reduce(tensor)`` sums ``tensor`` in place over all ranks. It may
+    all_reduce: ``all_reduce(tensor)`` sums ``tensor`` in place over the group. It may
     return a handle to ``wait()`` for (asynchronous; the default is ``dist.all_reduce``
     with ``async_op=True``, or, when the cluster emulates its links, parlab's ring
     all-reduce on the rank's communication thread, ``parlab.background``, so that its
@@ -131,7 +132,7 @@ class DDP(torch.nn.Module):
     e.g. a ``torch.futures.Future``). Default: sum with ``all_reduce``, divide by N_d. A
     custom hook (compression: reduce in fp16, ...) does its own communication, so it
     cannot be combined with ``all_reduce``.
-    broadcast_buffers: also broadcast rank 0's buffers at every forward (torch's default),
+    broadcast_buffers: also broadcast the first rank's buffers at every forward (torch's default),
     so buffers such as BatchNorm statistics stay equal.
 
     Wrap a module once: the gradient hooks stay on its parameters. Every rank must use the
@@ -139,7 +140,7 @@ class DDP(torch.nn.Module):
     """
 
     def __init__(self, module, variant="bucketed", bucket_cap_mb=25, all_reduce=None, comm_hook=None,
-                 broadcast_buffers=True):
+                 broadcast_buffers=True, group=None):
         super().__init__()
         if not isinstance(module, torch.nn.Module):
             raise ValueError(f"DDP wraps a torch.nn.Module, got {type(module).__name__}: pass the model itself.")
@@ -164,10 +165,10 @@ class DDP(torch.nn.Module):
         if len({p.dtype for p in self.parameters_to_sync}) > 1:
             raise ValueError("a bucket holds one dtype: convert the module to one dtype first, e.g. module.float().")
         self.variant, self.broadcast_buffers = variant, broadcast_buffers
-        self.all_reduce = all_reduce or _default_all_reduce()
+        self.all_reduce = all_reduce or _default_all_reduce(group)
         self.comm_hook = comm_hook or self.average_with_all_reduce
-        self.world_size = dist.get_world_size()
-        _broadcast_from_rank0([*module.parameters(), *module.buffers()])
+        self.group, self.world_size = group, dist.get_world_size(group)
+        _broadcast_from_first([*module.parameters(), *module.buffers()], group)
 
         cap_mb, during_backward = VARIANTS[variant]
         sizes = [p.numel() * p.element_size() for p in self.parameters_to_sync]
@@ -187,7 +188,7 @@ class DDP(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         if self.broadcast_buffers:
-            _broadcast_from_rank0(list(self.module.buffers()))
+            _broadcast_from_first(list(self.module.buffers()), self.group)
         with trace.span("forward"):
             return self.module(*args, **kwargs)
 
@@ -309,13 +310,15 @@ class AllReduceInFlight:
         return self.bucket.div_(self.world_size)
 
 
-def _default_all_reduce():
+def _default_all_reduce(group):
     if emulation.shapes_links():
-        return functools.partial(background.start, collectives.ring_allreduce, check=False)
-    return functools.partial(dist.all_reduce, async_op=True)
+        return functools.partial(background.start, collectives.ring_allreduce, check=False, group=group)
+    return functools.partial(dist.all_reduce, async_op=True, group=group)
 
 
-def _broadcast_from_rank0(tensors):
-    """Overwrite each tensor with rank 0's copy (traced: one "broadcast" event each)."""
+def _broadcast_from_first(tensors, group):
+    """Overwrite each tensor with the copy of the group's first rank (traced: one
+    "broadcast" event each)."""
+    first = 0 if group is None else dist.get_global_rank(group, 0)
     for tensor in tensors:
-        p2p.broadcast(tensor, src=0)
+        p2p.broadcast(tensor, src=first, group=group)

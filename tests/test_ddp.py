@@ -159,6 +159,36 @@ def test_every_variant_trains_like_one_process_and_like_torch_ddp(world_size, re
                           "2 x the band, as both are within it of one process")
 
 
+def train_on_the_dp_axis(variant, steps):
+    """On a 2 x 2 mesh (dp = 2, tp = 2; the tp axis only makes two dp groups, {0, 2} and
+    {1, 3}): each group trains DDP over its own group from its first rank's weights (ranks
+    0 and 1 seed theirs differently), on the batch split over the group's two ranks."""
+    with parlab.Mesh(dp=2, tp=2) as mesh:
+        model = build_model(seed=dist.get_rank())
+        ddp = DDP(model, variant, group=mesh.group("dp"))
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        tokens, targets = full_batch()
+        shard = list(DistributedSampler(BATCH, 2, mesh.coordinate("dp"), shuffle=False))
+        for _ in range(steps):
+            optimizer.zero_grad()
+            loss_on(ddp, tokens[shard], targets[shard]).backward()
+            ddp.finish_gradient_synchronization()
+            optimizer.step()
+        return _state(model)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("variant", ["naive", "bucketed"])
+def test_ddp_over_a_mesh_axis_averages_within_its_group_only(variant, cluster4):
+    states = cluster4.run(train_on_the_dp_axis, variant, STEPS)
+    assert_like_one_process(states[0], 2, "rank 0, group {0, 2}")
+    for rank, first in ((2, 0), (3, 1)):
+        for name, tensor in states[rank].items():
+            assert torch.equal(tensor, states[first][name]), (rank, name)  # one group, one replica
+    # Group {1, 3} started from rank 1's weights and never averaged with {0, 2}.
+    assert not torch.equal(states[1]["hidden.weight"], states[0]["hidden.weight"])
+
+
 def accumulate_then_sync(variant, microbatches):
     """One optimizer step over ``microbatches`` micro-batches of this rank's shard, all but
     the last inside no_sync, each loss divided by their number."""

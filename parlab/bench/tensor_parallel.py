@@ -51,6 +51,7 @@ from parlab.bench import (
     time_ratio,
 )
 from parlab.gpt import Block, GPTConfig
+from parlab.runtime.process import waited_for_a_cpu_s
 from parlab.tensor_parallel.model import ParallelBlock
 
 WARMUP_STEPS = 2
@@ -246,19 +247,28 @@ def train_layers(config, batch_size, steps, sequence_parallel=False):
 def time_layers(cluster, config, batch_size, steps=3, sequence_parallel=False):
     """Times of ``train_layers`` on ``cluster`` in its current regime (one warm-up step, then
     ``steps``): {"step_s": [each step, first rank's start to last rank's end],
-    "all_reduce_s": [each all-reduce of the timed steps], "timeline": the last step}.
+    "all_reduce_s": [each all-reduce of the timed steps], "cpu_wait_per_all_reduce_s", "timeline":
+    the last step}.
 
     An all-reduce's time is its shortest span over the ranks: the rank that reaches it last
     waits for no one, so its span is the collective itself; the others' spans also hold the
-    time they waited for it (their compute ran ahead on a shared CPU)."""
+    time they waited for it (their compute ran ahead on a shared CPU). The time the ranks
+    were ready to run while every CPU was busy (another rank's threads, other programs:
+    ``runtime.process.waited_for_a_cpu_s``), all together, is also given per all-reduce of
+    the run: an upper bound on what such waits added to an all-reduce on average, since some
+    of them fell in the compute."""
     check_arguments(batch_size=batch_size, steps=steps)
+    waited = -sum(map(waited_for_a_cpu_s, cluster.pids))
     timeline = cluster.trace(train_layers, config, batch_size, 1 + steps, sequence_parallel)
+    waited += sum(map(waited_for_a_cpu_s, cluster.pids))
     windows = [timeline.window("step", i) for i in range(1, 1 + steps)]
     all_reduces = []
     for w in windows:
         per_rank = [w.select(rank=rank, name="all-reduce") for rank in range(w.world_size)]
         all_reduces += [min(ev.duration for ev in same) for same in zip(*per_rank)]
-    return {"step_s": [w.duration for w in windows], "all_reduce_s": all_reduces, "timeline": windows[-1]}
+    in_the_run = len(all_reduces) * (1 + steps) // steps  # the warm-up step's too
+    return {"step_s": [w.duration for w in windows], "all_reduce_s": all_reduces,
+            "cpu_wait_per_all_reduce_s": waited / max(1, in_the_run), "timeline": windows[-1]}
 
 
 def format_report(result):
