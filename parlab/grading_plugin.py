@@ -72,8 +72,11 @@ def pytest_configure(config):
     fd = config.getoption("grade_progress")
     stream = os.fdopen(fd, "w", buffering=1) if fd is not None else None
     config.stash[_PROGRESS] = {"stream": stream, "task_of": {}, "last": {}, "started": {}, "width": 0}
-    # Graded tests run on clusters: their workers' fork server loads torch while pytest collects.
-    prepare_workers()
+    # Graded tests run on clusters: their workers' fork server loads torch while pytest collects,
+    # on a core collection leaves idle. Not under pytest-xdist: its controller runs no test, and
+    # its processes collect on every core at once (a process's first cluster starts the server).
+    if not hasattr(config, "workerinput") and not getattr(config.option, "numprocesses", None):
+        prepare_workers()
 
 
 def pytest_unconfigure(config):
