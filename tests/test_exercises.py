@@ -705,3 +705,10 @@ def test_planner_zero_0_sharded_micro_batches_forgotten_and_float32_lose_exactly
         assert "you forgot the micro-batches in flight on the first stage" in failed[name], failed[name]
     assert "the sum is right, one of the parts is not" in failed[total]
     assert "the values went through float32" in failed[launched]
+
+
+def test_the_options_of_the_pytest_around_it_do_not_reach_the_grader(monkeypatch):
+    # Before, PYTEST_ADDOPTS="-n 3" made every grading run fail: the grader loads no xdist.
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-n 3 --no-such-option")
+    results = grade.run_grading("collectives.ring_all_gather", impl="solutions")
+    assert results and all(test["passed"] for test in results)

@@ -115,6 +115,8 @@ def run_grading(name=None, impl="exercises", root=ROOT, timeout=GRADING_TIMEOUT_
     # Jupyter stack it imports) costs seconds per run. (The ranks dump their own stacks when
     # gloo aborts one, see parlab.runtime.worker: its hint names the line it was receiving at.)
     env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    # Nor the options of the pytest around it (PYTEST_ADDOPTS="-n 3" names a plugin not loaded here).
+    env.pop("PYTEST_ADDOPTS", None)
     # The report and pytest's output go to files without a name, so that nothing is left on
     # disk whatever ends this process (a kernel restart is a SIGKILL): pytest writes the
     # report through /dev/fd/N, the descriptor it inherits.
