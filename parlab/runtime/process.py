@@ -149,11 +149,11 @@ def start_module(module, args, env, folder, log, pass_fds=()):
     returncode). A program that starts clusters (the grader's pytest) is best a fork of the
     fork server: it starts without loading torch, and its workers fork from the same server.
     Otherwise a fresh interpreter, given a connection to this process's server if it has one."""
-    fds, folder = (log.fileno(), *pass_fds), os.fspath(folder)
-    program = forks.start_program([module, *args], env, folder, fds, worker_environment(env))
+    fds, folder, workers_env = (log.fileno(), *pass_fds), os.fspath(folder), worker_environment(env)
+    program = forks.start_program([module, *args], env, folder, fds, workers_env)
     if program is not None:
         return program
-    shared = forks.share(worker_environment(env))
+    shared = forks.share(workers_env)
     connection, variables = shared or (None, {})
     try:
         return subprocess.Popen(
