@@ -233,6 +233,12 @@ class DDP(torch.nn.Module):
         rank), as ZeroDP's and FSDP's ``full_parameters()`` give theirs."""
         return {name: p.detach().clone() for name, p in self.module.named_parameters()}
 
+    def full_gradients(self):
+        """{name: averaged gradient} of the trainable parameters (after
+        ``finish_gradient_synchronization``; every rank holds them whole)."""
+        return {name: p.grad.detach().clone() for name, p in self.module.named_parameters()
+                if p.requires_grad and p.grad is not None}
+
     def model_state_bytes(self):
         """The ``parlab.memory.ModelState`` of this rank, measured: params = the whole replica,
         grads = the module's gradients and the buckets' flat buffers (each bucket's copy of its

@@ -1,18 +1,21 @@
-"""ZeroDP(..., group=...): the engine on a subgroup, the data-parallel axis of a grid. On 4 ranks
-cut into two groups of 2, each group trains on its own data at stages 0, 1 and 2 and ends
-where one process ends on that group's batch, bit for bit (integer-valued data and weights,
-a power-of-two learning rate: every sum is exact); every message stays inside the group."""
+"""ZeroDP(..., group=...) and FSDP(..., group=...): the engines on a subgroup, the data-parallel
+axis of a mesh. On 4 ranks cut into two groups of 2, each group trains on its own data at
+stages 0, 1, 2 and 3 and ends where one process ends on that group's batch, bit for bit
+(integer-valued data and weights, a power-of-two learning rate: every sum is exact), with the
+same last gradients (``full_gradients``); every message stays inside the group."""
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from parlab.zero import ZeroDP, checkpoint
+from parlab.zero import FSDP, ZeroDP, checkpoint
 
 GROUPS, STEPS, LR = ([0, 1], [2, 3]), 3, 2.0**-6
 CONFIGS = {"stage 0": dict(stage=0), "stage 1": dict(stage=1), "stage 2, a bucket per parameter":
-           dict(stage=2, bucket_cap_mb=1e-9), "stage 2, one bucket": dict(stage=2)}
+           dict(stage=2, bucket_cap_mb=1e-9), "stage 2, one bucket": dict(stage=2),
+           "FSDP, a unit per layer": dict(wrap_policy=lambda m: isinstance(m, nn.Linear)),
+           "FSDP, biases replicated": dict(replicate=lambda name, p: p.ndim == 1)}
 
 
 def integer_model():
@@ -33,18 +36,23 @@ def train_in_groups(config):
     groups = [dist.new_group(ranks) for ranks in GROUPS]  # every rank makes every group
     index = dist.get_rank() // 2
     try:
-        engine = ZeroDP(integer_model(), torch.optim.SGD, lr=LR, group=groups[index], **CONFIGS[config])
-        mine = group_batch(index).chunk(2)[engine.rank]
+        kind = FSDP if config.startswith("FSDP") else ZeroDP
+        engine = kind(integer_model(), torch.optim.SGD, lr=LR, group=groups[index], **CONFIGS[config])
+        mine = group_batch(index).chunk(2)[dist.get_rank(groups[index])]
         for _ in range(STEPS):
             engine.zero_grad()
             engine(mine).sum().backward()
+            engine.finish_gradient_synchronization()
+            gradients = engine.full_gradients()
             engine.step()
-        try:
-            checkpoint.full_state_dict(engine)
-            refused = ""
-        except ValueError as error:
-            refused = str(error)
-        return engine.full_parameters(), refused
+        refused = "process group"
+        if kind is ZeroDP:
+            try:
+                checkpoint.full_state_dict(engine)
+                refused = ""
+            except ValueError as error:
+                refused = str(error)
+        return engine.full_parameters(), gradients, refused
     finally:
         for group in groups:  # the session's cluster outlives this test
             dist.destroy_process_group(group)
@@ -58,29 +66,32 @@ def one_process(index):
         optimizer.zero_grad()
         for shard in group_batch(index).chunk(2):
             (model(shard).sum() / 2).backward()
+        gradients = {name: p.grad.clone() for name, p in model.named_parameters()}
         optimizer.step()
-    return {name: p.detach() for name, p in model.named_parameters()}
+    return {name: p.detach() for name, p in model.named_parameters()}, gradients
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("config", CONFIGS)
-def test_zerodp_on_a_subgroup_trains_each_group_like_one_process(cluster4, config):
+def test_the_engines_on_a_subgroup_train_each_group_like_one_process(cluster4, config):
     timeline = cluster4.trace(train_in_groups, config, timeout=120)
     references = [one_process(index) for index in range(len(GROUPS))]
-    assert max((references[0][name] - references[1][name]).abs().max() for name in references[0]) > 0
-    for rank, (parameters, refused) in enumerate(timeline.results):
-        group = GROUPS[rank // 2]
-        assert all(torch.equal(parameters[name], p) for name, p in references[rank // 2].items()), rank
+    assert max((references[0][0][name] - references[1][0][name]).abs().max() for name in references[0][0]) > 0
+    for rank, (parameters, gradients, refused) in enumerate(timeline.results):
+        group, (expected, expected_gradients) = GROUPS[rank // 2], references[rank // 2]
+        assert parameters.keys() == expected.keys() and gradients.keys() == expected_gradients.keys(), rank
+        assert all(torch.equal(parameters[name], p) for name, p in expected.items()), rank
+        assert all(torch.equal(gradients[name], g) for name, g in expected_gradients.items()), rank
         peers = {ev.peer for ev in timeline.select(rank=rank, kind="comm") if ev.peer is not None}
         assert peers and peers <= set(group), (rank, peers)
         assert "process group" in refused
 
 
-def not_a_member():
+def not_a_member(kind):
     group = dist.new_group([0, 1])
     try:
         if dist.get_rank() >= 2:
-            ZeroDP(integer_model(), torch.optim.SGD, lr=LR, group=group)
+            kind(integer_model(), torch.optim.SGD, lr=LR, group=group)
     except ValueError as error:
         return str(error)
     finally:
@@ -88,7 +99,8 @@ def not_a_member():
 
 
 @pytest.mark.timeout(60)
-def test_a_rank_outside_the_group_is_told(cluster4):
-    messages = cluster4.run(not_a_member, timeout=60)
+@pytest.mark.parametrize("kind", [ZeroDP, FSDP])
+def test_a_rank_outside_the_group_is_told(cluster4, kind):
+    messages = cluster4.run(not_a_member, kind, timeout=60)
     assert messages[:2] == [None, None]
     assert all("not in the group" in message for message in messages[2:])

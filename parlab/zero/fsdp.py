@@ -115,10 +115,13 @@ class FSDP(nn.Module):
     initialises one module of a model built on the meta device (default
     ``module.reset_parameters()``), with the generator seeded ``init_seed`` + unit index.
     ``replicate(name, parameter)`` (optional): true for the parameters to keep whole on every
-    rank (module docstring, "Replicated parameters")."""
+    rank (module docstring, "Replicated parameters"). ``group``: the N_d ranks to shard over
+    (e.g. ``mesh.group("dp")`` of a ``parlab.Mesh``; default: all ranks); only its members
+    build the engine, every collective stays inside it (not with HYBRID_SHARD, which makes
+    its own groups of the world)."""
 
     def __init__(self, model, optimizer_class=None, strategy="FULL_SHARD", wrap_policy=None, mixed_precision=None,
-                 cpu_offload=False, init_fn=None, init_seed=0, shard_group_size=None, replicate=None,
+                 cpu_offload=False, init_fn=None, init_seed=0, shard_group_size=None, replicate=None, group=None,
                  **opt_kwargs):
         super().__init__()
         _checks.module("model", model, "pass the model to shard, built the same on every rank (or on the meta device).")
@@ -127,7 +130,13 @@ class FSDP(nn.Module):
         elif opt_kwargs:
             raise ValueError(f"optimizer options {sorted(opt_kwargs)} need an optimizer_class: pass one, or drop "
                              "them and give them to the optimizer you build over engine.parameters().")
-        N = dist.get_world_size()
+        if group is not None and strategy == "HYBRID_SHARD":
+            raise ValueError("HYBRID_SHARD makes its shard and replicate groups from the whole world: drop group=, "
+                             "or shard over the group with FULL_SHARD (a mesh with two data axes is hybrid sharding).")
+        N = dist.get_world_size(group)
+        if dist.get_rank(group) < 0:
+            raise ValueError(f"global rank {dist.get_rank()} is not in the group it passed: build FSDP only on the "
+                             "group's members (each rank passes the group it belongs to).")
         S = _shard_group_size(strategy, N, shard_group_size)
         if mixed_precision not in (None, *LOW_PRECISION):
             raise ValueError(f"mixed_precision must be None, torch.bfloat16 or torch.float16, got {mixed_precision!r}.")
@@ -150,21 +159,22 @@ class FSDP(nn.Module):
         self.reshard_after_forward = strategy in ("FULL_SHARD", "HYBRID_SHARD")
         self.module = model
         device = runtime.device() if deferred else next(model.parameters()).device
-        groups = _process_groups(N, S)  # (shard group, replicate group)
+        groups = _process_groups(N, S, group)  # (shard group, replicate group)
         self.process_groups = [group for group, _ in groups if group is not None]  # made here: close() ends them
         self.units = []
         for index, (plan, replicated) in enumerate(plans):
             if deferred:
                 with torch.no_grad():
                     materialize_unit(plan, index, device, init_fn, init_seed)
-            self.units.append(FlatUnit(plan, index, ((None, 1), (None, N)) if replicated else groups, device,
+            self.units.append(FlatUnit(plan, index, ((group, 1), (group, N)) if replicated else groups, device,
                                        mixed_precision or torch.float32, torch.device("cpu") if cpu_offload else device,
                                        replicated))
         if any(buffer.is_meta for buffer in model.buffers()):
             raise ValueError("buffers of modules without parameters stay on the meta device: create them "
                              "on a real device, or give them to a module that has parameters.")
+        first = 0 if group is None else dist.get_global_rank(group, 0)
         for buffer in model.buffers():
-            p2p.broadcast(buffer, src=0)
+            p2p.broadcast(buffer, src=first, group=group)
         self.mixed_precision = mixed_precision
         self.shards = nn.ParameterList([unit.shard for unit in self.units])
         self.optimizer = None if optimizer_class is None else optimizer_class(list(self.shards), **opt_kwargs)
@@ -257,6 +267,16 @@ class FSDP(nn.Module):
                 for name, view in zip(unit.names, unit.layout.views(unit.gather_full(unit.shard.detach())))}
 
 
+    def full_gradients(self):
+        """{name: averaged gradient} of every parameter, gathered on every rank after backward
+        (the shards' gradients, as ``full_parameters`` gathers the shards)."""
+        if any(unit.shard.grad is None for unit in self.units):
+            raise ValueError("full_gradients() needs this step's gradients: run forward and backward through the "
+                             "engine first (outside no_sync), before zero_grad().")
+        return {name: view.clone() for unit in self.units
+                for name, view in zip(unit.names, unit.layout.views(unit.gather_full(unit.shard.grad.detach())))}
+
+
 class FlatUnit:
     """One unit's flat parameter on this rank: ``shard``, the fp32 Parameter the optimizer
     steps (padded numel / S elements), and ``full``, the padded flat buffer in the compute
@@ -268,10 +288,13 @@ class FlatUnit:
         self.names, self.slots = plan.names, plan.slots
         (self.shard_group, S), (self.replicate_group, self.replicas) = groups
         self.layout = FlatLayout([p.shape for p in plan.parameters], S)
-        self.rank = dist.get_rank() % S  # the place in the shard group
+        # the group of all N_d ranks (None: the world, as under HYBRID_SHARD)
+        everyone = self.replicate_group if S == 1 else self.shard_group if self.replicas == 1 else None
+        self.rank = dist.get_rank(self.shard_group) % S  # the place in the shard group
         self.sync_gradients = True  # False inside FSDP.no_sync
         flat = self.layout.flatten([p.detach() for p in plan.parameters], torch.float32, device)
-        p2p.broadcast(flat, src=0)  # the replicas start from rank 0's values
+        first = 0 if everyone is None else dist.get_global_rank(everyone, 0)
+        p2p.broadcast(flat, src=first, group=everyone)  # the replicas start from the first rank's values
         mine = self.layout.shard(flat, self.rank).to(shard_device, copy=True)
         self.shard = nn.Parameter(mine)
         if S == 1 and compute_dtype == torch.float32 and shard_device == device:

@@ -286,6 +286,21 @@ class ZeroDP(torch.nn.Module):
             self._share_parameters()
         return {name: p.detach().clone() for name, p in self.module.named_parameters()}
 
+    def full_gradients(self):
+        """{name: averaged gradient} of the trainable parameters, on every rank, after
+        ``finish_gradient_synchronization``: stage 0 holds it whole, stages 1 and 2 all-gather
+        the ranks' averaged shards (a fresh buffer: the engine's own are not touched)."""
+        if not self.synchronized:
+            raise ValueError("full_gradients() needs the averaged gradients: call it after backward and "
+                             "finish_gradient_synchronization(), before step().")
+        grad = self.shard.grad.to(self.flat_param.device)
+        if self.stage > 0:
+            flat = torch.zeros_like(self.flat_param)
+            self.layout.shard(flat, self.rank).copy_(grad)
+            grad = collectives.ring_all_gather(flat, check=False, group=self.group)
+        names = [name for name, p in self.module.named_parameters() if p.requires_grad]
+        return {name: view.clone() for name, view in zip(names, self.layout.views(grad))}
+
     def _check_gradients(self):
         views = self.layout.views(self.flat_grad)
         if any(p.grad is None or p.grad.data_ptr() != v.data_ptr() for p, v in zip(self.trainable, views)):

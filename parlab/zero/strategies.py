@@ -36,13 +36,13 @@ def _shard_group_size(strategy, N, shard_group_size):
     return shard_group_size
 
 
-def _process_groups(N, S):
+def _process_groups(N, S, group=None):
     """((shard group, S), (replicate group, N / S)) of this rank: ranks [g S, (g + 1) S) shard
-    together, ranks i, i + S, i + 2 S, ... replicate. A group of all N ranks is None (the
-    default group); one of 1 rank is never used. Every rank creates every group, as
-    dist.new_group requires."""
+    together, ranks i, i + S, i + 2 S, ... replicate. A group of all N ranks is ``group``
+    (None: the default group); one of 1 rank is never used. Every rank creates every group,
+    as dist.new_group requires (HYBRID_SHARD, over the world only)."""
     if S in (1, N):
-        return (None, S), (None, N // S)
+        return (group, S), (group, N // S)
     rank = dist.get_rank()
     shard_groups = [dist.new_group(list(range(g * S, (g + 1) * S))) for g in range(N // S)]
     replicate_groups = [dist.new_group(list(range(i, N, S))) for i in range(S)]
