@@ -30,7 +30,17 @@ Selective recompute (Korthikanti et al. 2022, section 5; Megatron-LM's
 ``--recompute-activations``), ``recompute_attention=True``: the attention core (scores,
 softmax, dropout, times values) runs under ``torch.utils.checkpoint``, so forward keeps only
 its inputs q, k and v, and backward runs it again (with the same dropout mask) to get the
-(b, a/t, s, s) tensors that the rest of the layer would otherwise keep from forward.
+(b, a/t, s, s) tensors that the rest of the layer would otherwise keep from forward. Full
+recompute, ``recompute_layers=True`` (Chen et al. 2016; Megatron-LM's
+``--recompute-granularity full``): every layer runs under ``torch.utils.checkpoint``, keeping
+only its input; backward runs the whole layer again, its tensor-parallel collectives included.
+
+A pipeline stage, ``stage=(i, K)``: this rank holds stage i of K of the model (``parlab.mesh``
+puts tensor-parallel layers inside pipeline stages, as Megatron-LM): layers i L/K to
+(i + 1) L/K - 1, the embeddings on stage 0, the final norm and the head on stage K - 1; the
+other layers' places hold nothing, so the parameters keep the whole model's names. ``forward``
+takes the tokens on stage 0 and the previous stage's output elsewhere, and returns the logits
+on the last stage and its activation, (b, s, h) or (b, s/t, h), on the others.
 """
 
 import copy
@@ -112,33 +122,48 @@ class ParallelGPT(nn.Module):
     logits (b, s, V/t); ``loss(tokens, targets)`` the same mean cross-entropy as the full
     model's, computed without gathering the logits (``parallel_cross_entropy``). Every rank
     of the group passes the same tokens. ``recompute_attention``: selective recompute in
-    every layer (module docstring)."""
+    every layer; ``recompute_layers``: full recompute; ``stage=(i, K)``: pipeline stage i of
+    K (module docstring)."""
 
-    def __init__(self, model, group=None, sequence_parallel=False, recompute_attention=False):
+    def __init__(self, model, group=None, sequence_parallel=False, recompute_attention=False, recompute_layers=False,
+                 stage=(0, 1)):
         super().__init__()
         if not isinstance(model, GPT):
             raise ValueError(f"ParallelGPT splits a parlab.gpt.GPT, got {type(model).__name__}.")
-        t = dist.get_world_size(group)
+        t, (i, K), L = dist.get_world_size(group), stage, model.config.L
         if sequence_parallel and model.config.s % t:
             raise ValueError(f"sequence parallelism cuts s = {model.config.s} positions into t = {t} parts: choose s "
                              f"a multiple of {t}.")
+        if not 0 <= i < K or L % K:
+            raise ValueError(f"stage={stage!r}: a pipeline of K stages cuts the L = {L} layers evenly, stage i "
+                             f"holding L/K of them: choose K dividing {L} and 0 <= i < K.")
         self.config, self.group, self.sequence_parallel = model.config, group, sequence_parallel
-        self.token_embedding = VocabParallelEmbedding(model.token_embedding, group, sequence_parallel)
-        self.position_embedding = copy.deepcopy(model.position_embedding)
+        self.first, self.last, self.recompute_layers = i == 0, i == K - 1, recompute_layers
+        self.token_embedding = VocabParallelEmbedding(model.token_embedding, group, sequence_parallel) \
+            if self.first else None
+        self.position_embedding = copy.deepcopy(model.position_embedding) if self.first else None
+        mine = range(i * L // K, (i + 1) * L // K)
         self.blocks = nn.ModuleList(ParallelBlock(block, group, sequence_parallel, recompute_attention)
-                                    for block in model.blocks)
-        self.final_norm = copy.deepcopy(model.final_norm)
-        self.head = ColumnParallelLinear(model.head, group, sequence_parallel)  # V/t logits per rank
+                                    if j in mine else nn.Identity() for j, block in enumerate(model.blocks))
+        self.layers = [self.blocks[j] for j in mine]
+        self.final_norm = copy.deepcopy(model.final_norm) if self.last else None
+        self.head = ColumnParallelLinear(model.head, group, sequence_parallel) if self.last else None  # V/t logits
 
     def forward(self, tokens):
+        x = self.embed(tokens) if self.first else tokens  # (b, s, h), or (b, s/t, h)
+        for block in self.layers:
+            x = checkpoint(block, x, use_reentrant=False) if self.recompute_layers else block(x)
+        if not self.last:
+            return x
+        return self.head(self.final_norm(x))  # f (or the all-gather along s), then (b, s, V/t)
+
+    def embed(self, tokens):
+        """Token and position embeddings of ``tokens``: (b, s, h), or this rank's (b, s/t, h)."""
         s = tokens.shape[1]
         positions = self.position_embedding.weight[:s]  # (s, h)
         if self.sequence_parallel:
             positions = positions.chunk(dist.get_world_size(self.group))[dist.get_rank(self.group)]  # (s/t, h)
-        x = self.token_embedding(tokens) + positions  # (b, s, h), or (b, s/t, h)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.final_norm(x))  # f (or the all-gather along s), then (b, s, V/t)
+        return self.token_embedding(tokens) + positions
 
     def loss(self, tokens, targets):
         return parallel_cross_entropy(self(tokens), targets, self.group)
