@@ -62,19 +62,23 @@ class MeshGPT:
     """This rank's part of ``gpt`` (a ``parlab.gpt.GPT``, the same on every rank) trained on
     ``mesh`` (module docstring). ``zero``: the ZeRO stage on the data axis (0 to 3);
     ``microbatches``: M per replica and step; ``optimizer_class`` and ``**optimizer_kwargs``:
-    the optimizer (Adam). Attributes: ``model`` (this rank's ``ParallelGPT`` stage),
-    ``engine`` (the data-parallel engine around it), ``optimizer``."""
+    the optimizer (Adam); ``offload``: ZeRO-Offload at stages 1 and 2. Attributes: ``model``
+    (this rank's ``ParallelGPT`` stage), ``engine`` (the data-parallel engine around it), ``optimizer``."""
 
     def __init__(self, gpt, mesh, zero=0, sequence_parallel=True, microbatches=1, recompute=None,
-                 optimizer_class=torch.optim.Adam, layer_seconds=0.0, **optimizer_kwargs):
+                 optimizer_class=torch.optim.Adam, layer_seconds=0.0, offload=False, **optimizer_kwargs):
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {zero!r}.")
+        if offload and zero not in (1, 2):
+            raise ValueError(f"offload moves the optimizer's shard to the host at ZeRO stages 1 and 2, not {zero}: "
+                             "pick one of them, or offload=False.")
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}: None keeps every "
                              "activation, 'selective' recomputes attention's core, 'full' every layer.")
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a whole number >= 1, got {microbatches!r}.")
         self.mesh, self.zero, self.M = mesh, zero, microbatches
+        self.state_bytes, self.gradients = None, None
         self.dp, self.tp, self.pp = (mesh.size(axis) for axis in ("dp", "tp", "pp"))
         self.tp_group, dp_group = mesh.group("tp"), mesh.group("dp")
         self.sequence_parallel = sequence_parallel and self.tp > 1
@@ -95,7 +99,8 @@ class MeshGPT:
                                replicate=keep_whole, group=dp_group, **optimizer_kwargs)
             self.optimizer = self.engine.optimizer
         else:
-            self.engine = ZeroDP(self.model, optimizer_class, stage=zero, group=dp_group, **optimizer_kwargs)
+            self.engine = ZeroDP(self.model, optimizer_class, stage=zero, offload=offload, group=dp_group,
+                                 **optimizer_kwargs)
             self.optimizer = self.engine.optimizer
             mask = [torch.full(p.shape, float(id(p) in replicated)) for p in self.engine.trainable]
             flat = self.engine.layout.flatten(mask)
@@ -106,13 +111,14 @@ class MeshGPT:
             self.executor = PipelineExecutor(schedule, {mesh.coordinate("pp"): self.engine}, self._loss,
                                              ranks=mesh.ranks("pp"))
 
-    def step(self, tokens, targets, gradients=False):
+    def step(self, tokens, targets, keep_gradients=False):
         """One training step on the batch (B sequences, B a multiple of dp x M): forward and
         backward of this replica's B / dp, the gradients synchronized (module docstring), the
         optimizer's step. Returns the sum of the losses of the sequences this rank owns (the
-        last stage's first tp rank owns its replica's; 0 elsewhere); with ``gradients``,
-        (that sum, ``state_bytes``, the averaged gradients this rank holds by name, read
-        before the optimizer's step) where ``state_bytes`` is the rank's model-state bytes then."""
+        last stage's first tp rank owns its replica's; 0 elsewhere). Read before the
+        optimizer's step: ``state_bytes``, the rank's model-state bytes (``model_state_bytes``),
+        and with ``keep_gradients`` ``gradients``, the averaged gradients of the parameters this
+        rank holds, by the whole model's names (else None)."""
         B = len(tokens)
         if B % (self.dp * self.M):
             raise ValueError(f"a batch of {B} sequences does not split into dp = {self.dp} replicas of M = {self.M} "
@@ -123,16 +129,16 @@ class MeshGPT:
         losses = self._forward_backward(tokens, targets)
         self.engine.finish_gradient_synchronization()
         self._sum_sequence_parallel_gradients()
-        state_bytes = self.model_state_bytes()
-        held = self.engine.full_gradients() if gradients else None
+        self.state_bytes = self.model_state_bytes()
+        self.gradients = self.engine.full_gradients() if keep_gradients else None
         if self.zero == 0:
             with trace.span("optimizer"):
                 self.optimizer.step()
         else:
             self.engine.step()
-        owner = losses is not None and dist.get_rank(self.tp_group) == 0
-        loss_sum = sum(loss.item() for loss in losses) * len(tokens) / self.M if owner else 0.0
-        return (loss_sum, state_bytes, held) if gradients else loss_sum
+        if losses is None or dist.get_rank(self.tp_group) != 0:
+            return 0.0
+        return sum(loss.item() for loss in losses) * len(tokens) / self.M
 
     def _forward_backward(self, tokens, targets):
         """The M micro-batches' forward and backward; their losses on the last stage, else None."""

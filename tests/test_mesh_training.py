@@ -40,11 +40,10 @@ def train_on_mesh(shape, zero, M, recompute, references):
     torch.manual_seed(0)
     with parlab.Mesh(**shape) as mesh:
         trainer = MeshGPT(GPT(CONFIG), mesh, zero=zero, microbatches=M, recompute=recompute, lr=LR)
-        losses = []
+        losses, gradients = [], None
         for i, (tokens, targets) in enumerate(batches()):
-            result = trainer.step(tokens, targets, gradients=i == 0)
-            loss_sum, gradients = (result[0], result[2]) if i == 0 else (result, gradients)
-            losses.append(torch.tensor(loss_sum, dtype=torch.float64))
+            losses.append(torch.tensor(trainer.step(tokens, targets, keep_gradients=i == 0), dtype=torch.float64))
+            gradients = gradients or trainer.gradients
         total = torch.stack(losses)
         dist.all_reduce(total)  # each sequence's loss counted once, by the rank that owns it
         expected = [{name: shards[name] for name in gradients}

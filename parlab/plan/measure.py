@@ -43,10 +43,11 @@ from parlab._checks import whole_number
 from parlab.ddp import MB, assign_buckets
 from parlab.gpt import GPT
 from parlab.memory import FP32_ADAM
+from parlab.mesh_training import DDP_BUCKET_MB
 from parlab.plan.costs import Memory, StepTime, plan_memory, plan_time
 from parlab.plan.inputs import GIB, Batch, Cluster, Model
 from parlab.plan.planner import Plan, plans
-from parlab.plan.runs import CONFIG, DDP_BUCKET_MB, train_plan
+from parlab.plan.runs import CONFIG, train_plan
 from parlab.runtime import Cluster as Ranks
 from parlab.runtime import Link
 
