@@ -32,8 +32,9 @@ are kept whole on the data axis too, ``FSDP(replicate=...)``, a few KiB). The op
 
 ``recompute``: None, "selective" (the attention core, ``recompute_attention``) or "full"
 (every layer, ``recompute_layers``), the planner's ``Plan.recompute``. ``layer_seconds``:
-a declared compute time per layer and micro-batch, forward (backward twice that), for the
-planner's checks (``parlab.emulated.ComputeTime`` in front of every layer, recomputed with it).
+a declared compute time per layer and micro-batch, forward (backward twice that) or a pair
+(forward, backward), for the planner's checks (``parlab.emulated.ComputeTime`` in front of
+every layer, recomputed with it).
 """
 
 from contextlib import nullcontext
@@ -85,10 +86,15 @@ class MeshGPT:
         self.model = ParallelGPT(gpt, self.tp_group, self.sequence_parallel, recompute == "selective",
                                  recompute == "full", stage=(mesh.coordinate("pp"), self.pp))
         if layer_seconds:
+            forward_s, backward_s = layer_seconds if isinstance(layer_seconds, tuple) else (layer_seconds,
+                                                                                            2 * layer_seconds)
             for layer in self.model.layers:  # a module without parameters: the names stay the whole model's
-                layer.declared = ComputeTime(layer_seconds, 2 * layer_seconds)
+                layer.declared = ComputeTime(forward_s, backward_s)
                 layer.register_forward_pre_hook(lambda layer, args: (layer.declared(args[0]),))
         replicated = {id(p) for p in self.model.replicated_parameters()}
+        self.numel = sum(p.numel() for p in self.model.parameters())  # this rank's parameters, before any sharding
+        self.kept_whole = sum(p.numel() for p in self.model.parameters() if id(p) in replicated) \
+            if zero == 3 and self.sequence_parallel else 0  # FSDP keeps them whole on the data axis too
         if zero == 0:
             self.engine = DDP(self.model, bucket_cap_mb=DDP_BUCKET_MB, broadcast_buffers=False, group=dp_group)
             self.optimizer = optimizer_class(self.model.parameters(), **optimizer_kwargs)

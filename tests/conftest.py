@@ -115,3 +115,9 @@ def cluster2():
 def cluster4():
     with parlab.Cluster(world_size=4, timeout=60) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def cluster8():
+    with parlab.Cluster(world_size=8, timeout=120) as cluster:
+        yield cluster

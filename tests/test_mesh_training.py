@@ -104,12 +104,6 @@ def label(shape, zero, M, recompute):
     return f"{axes}, ZeRO {zero}, M = {M}, recompute {recompute}"
 
 
-@pytest.fixture(scope="module")
-def cluster8():
-    with parlab.Cluster(world_size=8, timeout=120) as cluster:
-        yield cluster
-
-
 @pytest.mark.timeout(300)
 def test_the_gpt_trains_in_three_dimensions_like_one_process(cluster8):
     for config in EIGHT:

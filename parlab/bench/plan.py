@@ -1,9 +1,9 @@
 """The planner against runs: step time and model-state bytes of the small GPT's plans, predicted and measured.
 
-Each plan of ``--plans`` (indices into ``parlab.plan.measure.LAYOUTS``, default all 12: every
-engine, with and without accumulation and recompute) runs ``--steps`` steps after a warm-up
-on the emulated cluster of ``parlab.plan.measure`` (4 ranks, its link and declared compute),
-one cluster for all; each row gives the planner's step time and its terms, the measured
+Each plan of ``--plans`` (indices into ``parlab.plan.measure.LAYOUTS``, default all: every
+engine, with and without accumulation and recompute, on one, two and three axes) runs
+``--steps`` steps after a warm-up on the emulated cluster of ``parlab.plan.measure`` (4 or 8
+ranks, its link and declared compute), one cluster per size; each row gives the planner's step time and its terms, the measured
 median (each step's slowest rank), ``ratio`` = measured / predicted (the one convention:
 parlab's run over the reference, here the planner's prediction; below 1 the run beat the
 prediction), and the model-state bytes, predicted and measured. The run's own CPU work (the
@@ -37,32 +37,32 @@ def bench_plan(steps=2, plans=None):
     JSON-ready result: one row per plan."""
     check_arguments(steps=steps)
     layouts = measure.LAYOUTS if plans is None else [measure.LAYOUTS[i] for i in plans]
-    progress("plan", f"{len(layouts)} plans on {measure.emulated_cluster().name}, {steps} steps each")
+    progress("plan", f"{len(layouts)} plans on the emulated clusters of 4 and 8 ranks, {steps} steps each")
     rows = [plan_row(m) for m in measure.check_plans(steps=steps, layouts=layouts, desc="parlab bench plan")]
     return {"torch_version": torch.__version__, "cpu_count": os.cpu_count(), "steps": steps,
-            "cluster": measure.emulated_cluster().name, "link": measure.LINK.describe(),
-            "peak_flops": measure.PEAK_FLOPS, "batch": measure.BATCH.B, "psi": measure.model().psi,
+            "cluster": "emulated: 1 node x 4 or 8 ranks", "link": measure.LINK.describe(),
+            "cluster_flops": measure.CLUSTER_FLOPS, "batch": measure.BATCH.B, "psi": measure.model().psi,
             "ratio_means": ratio_header(REFERENCE), "rows": rows}
 
 
 def plan_row(m):
     """One row of the result from a ``parlab.plan.Measured``."""
     p, t = m.plan, m.predicted_time
-    return {"plan": plan_label(p, long=True),
+    return {"plan": plan_label(p, long=True), "ranks": p.N_d * p.t * p.K,
             "predicted_s": t.total, "terms": t._asdict(), "measured_s": m.step_seconds, "ratio": m.time_ratio,
             "predicted_state_bytes": m.predicted_memory.states.total, "measured_state_bytes": m.state_bytes,
             "state_ratio": m.state_ratio}
 
 
 def format_report(result):
-    headers = ["plan (N_d x t x K)", "predicted", "compute", "tensor", "pipeline", "bubble", "data", "measured",
+    headers = ["plan (N_d x t x K)", "ranks", "predicted", "compute", "tensor", "pipeline", "bubble", "data", "measured",
                "ratio", "states predicted", "measured", "ratio"]
-    rows = [[row["plan"], format_seconds(row["predicted_s"]),
+    rows = [[row["plan"], row["ranks"], format_seconds(row["predicted_s"]),
              *(_seconds(row["terms"][term]) for term in ("compute", "tensor", "pipeline", "bubble", "data")),
              format_seconds(row["measured_s"]), f"{row['ratio']:.3f}", f"{row['predicted_state_bytes']:,.0f}",
              f"{row['measured_state_bytes']:,}", f"{row['state_ratio']:.4f}"] for row in result["rows"]]
-    return (f"parlab bench plan: {result['cluster']}, link {result['link']}, {result['peak_flops']:.3g} FLOP/s "
-            f"declared per rank; small GPT (Psi = {result['psi']:,}), B = {result['batch']}, {result['steps']} "
+    return (f"parlab bench plan: {result['cluster']}, link {result['link']}, {result['cluster_flops']:.3g} FLOP/s "
+            f"declared per cluster (1/N per rank); small GPT (Psi = {result['psi']:,}), B = {result['batch']}, {result['steps']} "
             f"steps per plan; torch {result['torch_version']}, {result['cpu_count']} CPU cores\n"
             f"{ratio_header(REFERENCE)}\n\n{format_table(headers, rows)}")
 

@@ -2,9 +2,10 @@
 ``parlab.Cluster`` whose link and devices are emulated, their step time and model-state bytes
 put beside ``plan_time`` and ``plan_memory``.
 
-The emulated cluster (``emulated_cluster()``): one node of 4 ranks joined by one ``Link``
+The emulated cluster (``emulated_cluster(N)``, 4 or 8 ranks): one node of N ranks joined by one ``Link``
 (``LINK``: 100 us + bytes / 10 MB/s, every port alike, so a plan's layout on the ranks does not
-change its links), each rank a device of ``PEAK_FLOPS`` whose compute is declared: a
+change its links), each rank a device of ``CLUSTER_FLOPS`` / N FLOP/s (0.25 GFLOP/s on 4
+ranks, 0.125 on 8: the same 5 s of compute a step on either cluster) whose compute is declared: a
 ``parlab.emulated.ComputeTime`` in front of every transformer layer sleeps 2 (Psi / L) b s / t
 seconds / peak forward and twice that backward (and the forward again when it is recomputed),
 so L layers of M micro-batches take the planner's 6 Psi B s / (N peak) (8 with recompute).
@@ -15,15 +16,17 @@ declared compute (``runs.train_plan``). The model is ``CONFIG``, the GPT of lect
 L = 4 layers (Psi = 817,920), trained with Adam in fp32 (``FP32_ADAM``, 4-byte activations in
 the messages). ``parlab.plan.runs`` is the ranks' side.
 
-What runs each plan, and the overlap the prediction assumes for it (``plan_time``'s
-``overlapped``): parlab's engines, not DeepSpeed's or Megatron's, so what they do is costed:
+What runs each plan: ``parlab.mesh_training.MeshGPT`` on a ``parlab.Mesh(dp=N_d, tp=t,
+pp=K)``, any plan the planner builds (``runnable``): tensor-parallel stages with sequence
+parallelism, 1F1B over K stages, the data axis's engine by ZeRO stage, M micro-batches,
+recompute None, "selective" or "full", ZeRO-Offload. The overlap the prediction assumes for
+it (``plan_time``'s ``overlapped``) is what parlab's engines do, not DeepSpeed's or Megatron's:
 
-    t  K  ZeRO   engine                                          data axis behind backward
-    1  1  0      parlab.ddp.DDP, a bucket per layer, no_sync     yes, all but the last bucket
-    1  1  1, 2   parlab.zero.ZeroDP(stage), one bucket           no (after backward)
-    1  1  3      parlab.zero.FSDP, a unit per layer              no (gathers as it goes)
-    >1 1  0      TensorDataParallel (sequence parallel), M = 1   no (after backward)
-    1  >1 0      PipelineDataParallel, 1F1B                      no (after the schedule)
+    ZeRO   engine on the data axis                       behind backward
+    0      parlab.ddp.DDP, a bucket per layer, no_sync   all but the last bucket, when K = 1
+                                                         (a pipeline all-reduces after its schedule)
+    1, 2   parlab.zero.ZeroDP(stage), one bucket         no (after backward)
+    3      parlab.zero.FSDP, a unit per layer            no (gathers as it goes)
 
 Measured per plan: the step time (each step's slowest rank; the median of ``steps`` after one
 warm-up step) and each rank's model states when the gradients are synchronized, before the
@@ -52,13 +55,17 @@ from parlab.runtime import Cluster as Ranks
 from parlab.runtime import Link
 
 LINK = Link(latency=100e-6, bandwidth=10e6)
-PEAK_FLOPS = 0.25e9
+CLUSTER_FLOPS = 1e9  # the whole cluster's declared peak: each of N ranks declares 1 / N of it
 BATCH = Batch(16, b=(2, 4, 8, 16))
-# (N_d, t, K, ZeRO, b, recompute): every engine of the table, with and without accumulation and recompute
+# (N_d, t, K, ZeRO, b, recompute), N = N_d t K ranks: every engine of the table, with and without
+# accumulation and recompute, on one axis and on two (4 ranks), then on three (8 ranks)
 LAYOUTS = ((4, 1, 1, 0, 4, None), (4, 1, 1, 0, 2, None), (4, 1, 1, 0, 4, "full"), (4, 1, 1, 1, 4, None),
            (4, 1, 1, 2, 2, None), (4, 1, 1, 3, 4, None), (1, 4, 1, 0, 16, None), (2, 2, 1, 0, 8, None),
-           (2, 2, 1, 0, 8, "full"), (1, 4, 1, 0, 16, "full"), (1, 1, 4, 0, 2, None), (2, 1, 2, 0, 2, None))
-ENGINE_RECOMPUTE = (None, "full")  # the engines checkpoint whole layers (torch.utils.checkpoint) or nothing
+           (2, 2, 1, 0, 8, "full"), (1, 4, 1, 0, 16, "full"), (1, 1, 4, 0, 2, None), (2, 1, 2, 0, 2, None),
+           (2, 2, 1, 1, 4, None), (2, 2, 1, 3, 8, "selective"), (1, 2, 2, 0, 4, None), (2, 1, 2, 1, 2, "full"),
+           (2, 2, 2, 0, 2, None), (2, 2, 2, 1, 2, "full"), (2, 2, 2, 2, 4, None), (2, 2, 2, 3, 2, "selective"),
+           (4, 2, 1, 1, 4, None), (2, 1, 4, 0, 2, None))
+RANKS = (4, 8)  # the emulated clusters' sizes
 
 
 class Measured(NamedTuple):
@@ -83,9 +90,12 @@ class Measured(NamedTuple):
         return self.state_bytes / self.predicted_memory.states.total
 
 
-def emulated_cluster():
-    """The planner's view of the emulated cluster (module docstring): 1 node of 4 ranks."""
-    return Cluster(4, 1, memory=GIB, peak_flops=PEAK_FLOPS, intra=LINK, inter=LINK, name="emulated: 1 node x 4 ranks")
+def emulated_cluster(ranks=4):
+    """The planner's view of the emulated cluster (module docstring): 1 node of ``ranks`` ranks."""
+    if ranks not in RANKS:
+        raise ValueError(f"the emulated clusters have {' or '.join(map(str, RANKS))} ranks, not {ranks!r}: pick one.")
+    return Cluster(ranks, 1, memory=GIB, peak_flops=CLUSTER_FLOPS / ranks, intra=LINK, inter=LINK,
+                   name=f"emulated: 1 node x {ranks} ranks")
 
 
 def model():
@@ -94,38 +104,40 @@ def model():
 
 
 def runnable(plan):
-    """None if ``run_plan`` can run ``plan``, else the sentence saying why not (module table)."""
-    if plan.t > 1 and plan.K > 1:
-        return "tensor and pipeline parallelism together are not built here: choose t = 1 or K = 1."
-    if plan.t > 1 and (plan.zero or plan.M != 1):
-        return "tensor-parallel plans run ZeRO 0 with one micro-batch per replica (b = B / N_d) here."
-    if plan.K > 1 and (plan.zero or plan.recompute):
-        return "pipeline plans run ZeRO 0 without recompute here."
-    if plan.recompute not in ENGINE_RECOMPUTE:
-        return (f"recompute={plan.recompute!r} is planned, not run: the engines here recompute whole layers "
-                "(\"full\") or nothing (None).")
+    """None if ``run_plan`` can run ``plan``, else the sentence saying why not: only what the
+    mesh does not build (HYBRID_SHARD's second data axis) or the planner rejects."""
+    if plan.shard_group:
+        return ("HYBRID_SHARD shards within a node and replicates across nodes: the emulated cluster is one node, "
+                "so run the plan without shard_group.")
+    if plan.rejected:
+        return f"the planner rejects it: {' '.join(plan.reasons)}"
     return None
 
 
 def overlapped(plan):
-    """The ZeRO stages whose data-axis communication the plan's engine hides behind backward."""
-    return (0,) if plan.t == plan.K == 1 else ()
+    """The ZeRO stages whose data-axis communication the plan's engine hides behind backward
+    (module table): DDP's buckets, when no pipeline schedule runs between the backwards."""
+    return (0,) if plan.K == 1 else ()
 
 
 def predicted_plans(batch=BATCH, cluster=None, layouts=LAYOUTS):
     """The planner's ``Plan`` for each layout (module ``LAYOUTS``: (N_d, t, K, ZeRO, b,
-    recompute)), its estimates as ``predict`` costs the run."""
-    cluster = cluster or emulated_cluster()
-    every = {(p.N_d, p.t, p.K, p.zero, p.b, p.recompute): p
-             for p in plans(model(), batch, cluster, FP32_ADAM, efficiency=1.0, max_bubble=1.0, reserve=0,
-                            offload=(False,), hybrid=False, recompute=ENGINE_RECOMPUTE)}  # what the engines run
+    recompute)), its estimates as ``predict`` costs the run, on ``cluster`` (default: the
+    emulated cluster of the layout's N_d t K ranks)."""
+    every = {}
+    for ranks in sorted({cluster.gpus} if cluster else RANKS):
+        on = cluster or emulated_cluster(ranks)
+        every.update({(p.N_d, p.t, p.K, p.zero, p.b, p.recompute): (p, on)
+                      for p in plans(model(), batch, on, FP32_ADAM, efficiency=1.0, max_bubble=1.0, reserve=0,
+                                     offload=(False,), hybrid=False) if not p.rejected})  # what the engines run
     chosen = []
     for layout in layouts:
         if layout not in every:
-            raise ValueError(f"{layout} is not a plan of {cluster.gpus} ranks for B = {batch.B}: give (N_d, t, K, "
-                             "ZeRO, b, recompute) with N_d t K = the ranks and b dividing B / N_d.")
-        plan = every[layout]
-        chosen.append(replace(plan, time=predict(plan, batch, cluster)[1]))
+            sizes = cluster.gpus if cluster else " or ".join(map(str, RANKS))
+            raise ValueError(f"{layout} is not a plan of {sizes} ranks for B = {batch.B}: give (N_d, t, K, "
+                             "ZeRO, b, recompute) with N_d t K = the ranks, b dividing B / N_d and M >= K.")
+        plan, on = every[layout]
+        chosen.append(replace(plan, time=predict(plan, batch, on)[1]))
     return chosen
 
 
@@ -133,7 +145,7 @@ def predict(plan, batch=BATCH, cluster=None):
     """(``Memory``, ``StepTime``) of ``plan`` as the run is costed: fp32 Adam (``FP32_ADAM``),
     efficiency 1 (the declared compute is the peak's), 4-byte activations in the messages, the
     overlap of the plan's engine (``overlapped``) and DDP's last bucket (``last_bucket_bytes``)."""
-    gpt, cluster = model(), cluster or emulated_cluster()
+    gpt, cluster = model(), cluster or emulated_cluster(_ranks_of(plan))
     seconds = plan_time(gpt, batch, cluster, plan, FP32_ADAM, efficiency=1.0, activation_bytes=4,
                         overlapped=overlapped(plan), bucket_bytes=last_bucket_bytes())
     return plan_memory(gpt, plan, FP32_ADAM), seconds
@@ -146,18 +158,23 @@ def last_bucket_bytes():
     return sum(sizes[i] for i in assign_buckets(sizes, DDP_BUCKET_MB * MB)[-1])
 
 
-def declared_forward_seconds(plan, cluster=None):
-    """The forward's declared time of one layer for one micro-batch on one rank of ``plan``:
-    2 (Psi / L) b s / t FLOPs at the cluster's peak (module docstring)."""
+def declared_seconds(plan, cluster=None):
+    """(forward, backward): the declared time of one layer for one micro-batch on one rank of
+    ``plan`` (module docstring): forward 2 (Psi / L) b s / t FLOPs at the cluster's peak, backward
+    twice that, plus with selective recompute the attention scores' two products again,
+    4 b s^2 h / t FLOPs (``plan_time``'s term). Full recompute's second forward is the layer's
+    own forward run again (``MeshGPT`` checkpoints it with its declared time)."""
     gpt = model()
-    return 2 * (gpt.psi / gpt.L) * plan.b * gpt.s / (plan.t * (cluster or emulated_cluster()).peak_flops)
+    peak = (cluster or emulated_cluster(_ranks_of(plan))).peak_flops
+    forward = 2 * (gpt.psi / gpt.L) * plan.b * gpt.s / (plan.t * peak)
+    again = 4 * plan.b * gpt.s**2 * gpt.h / (plan.t * peak) if plan.recompute == "selective" else 0.0
+    return forward, 2 * forward + again
 
 
 def run_plan(plan, batch=BATCH, cluster=None, steps=3, runtime=None):
     """Train the small GPT ``steps`` + 1 steps with ``plan`` on ``runtime`` (a ``parlab.Cluster``
     of the plan's ranks; one is started and closed if None) with the emulated link, and return
     its ``Measured``."""
-    cluster = cluster or emulated_cluster()
     if not isinstance(plan, Plan):
         raise ValueError(f"plan must be a parlab.plan.Plan, got {type(plan).__name__}: take one of "
                          "parlab.plan.measure.predicted_plans(), or build Plan(N_d, t, K, zero, b, M, recompute).")
@@ -165,27 +182,40 @@ def run_plan(plan, batch=BATCH, cluster=None, steps=3, runtime=None):
     reason = runnable(plan)
     if reason:
         raise ValueError(f"cannot run {plan}: {reason}")
+    cluster = cluster or emulated_cluster(_ranks_of(plan))
+    if cluster.gpus != _ranks_of(plan) or (runtime is not None and runtime.world_size != cluster.gpus):
+        raise ValueError(f"{plan} runs on N_d t K = {_ranks_of(plan)} ranks: give a cluster (and runtime) of that "
+                         "many, or leave them out.")
     memory, seconds = predict(plan, batch, cluster)
-    forward_s = declared_forward_seconds(plan, cluster)
-    layout = (plan.N_d, plan.t, plan.K, plan.zero, plan.b, plan.M, plan.recompute)
+    layer_seconds = declared_seconds(plan, cluster)
+    layout = (plan.N_d, plan.t, plan.K, plan.zero, plan.b, plan.M, plan.recompute, plan.offload)
     with _ranks(runtime, cluster) as ranks, ranks.emulate(link=cluster.intra):
-        results = ranks.run(train_plan, layout, batch.B, forward_s, steps)
+        results = ranks.run(train_plan, layout, batch.B, layer_seconds, steps)
     step_seconds = statistics.median(max(times) for times in zip(*(r["times"] for r in results)))
     return Measured(plan, memory, seconds, max(r["state_bytes"] for r in results), step_seconds)
 
 
 def check_plans(batch=BATCH, cluster=None, steps=3, runtime=None, layouts=LAYOUTS, desc="plans"):
-    """``run_plan`` for the plan of each of ``layouts`` (by default the module's 12), one after
-    another on one cluster of ranks, with a progress bar; returns their ``Measured``."""
+    """``run_plan`` for the plan of each of ``layouts`` (by default the module's), one after
+    another on one cluster of ranks per world size (``runtime`` for the plans of its size),
+    with a progress bar; returns their ``Measured`` in the order of ``layouts``."""
     from parlab.runtime.progress import progress_bar
 
     chosen = predicted_plans(batch, cluster, layouts)
-    measured = []
-    with _ranks(runtime, cluster or emulated_cluster()) as ranks, progress_bar(len(chosen), desc, unit="plan") as bar:
-        for plan in chosen:
-            measured.append(run_plan(plan, batch, cluster, steps, ranks))
-            bar.update(1)
+    measured = [None] * len(chosen)
+    with progress_bar(len(chosen), desc, unit="plan") as bar:
+        for size in sorted({_ranks_of(plan) for plan in chosen}):
+            given = runtime if runtime is not None and runtime.world_size == size else None
+            with _ranks(given, cluster or emulated_cluster(size)) as ranks:
+                for i, plan in enumerate(chosen):
+                    if _ranks_of(plan) == size:
+                        measured[i] = run_plan(plan, batch, cluster, steps, ranks)
+                        bar.update(1)
     return measured
+
+
+def _ranks_of(plan):
+    return plan.N_d * plan.t * plan.K
 
 
 @contextmanager
