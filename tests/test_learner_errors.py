@@ -19,6 +19,7 @@ from parlab.bench import runtime as bench_runtime
 from parlab.bench import zero as bench_zero
 from parlab.pipeline import executor, grid, schedule, stages
 from parlab.pipeline.simulate import bubble_formula, bubble_fraction, bubble_ratio_playbook, idle_fraction, simulate
+from parlab.runtime import mesh
 from parlab.zero import checkpoint, fsdp, units
 from parlab.zero import stages as zero_stages
 
@@ -56,7 +57,8 @@ CASES = {
                                        r"pass \{s: stages\[s\] for s in schedule.stages_of\(rank\)\}"),
     "executor loss not a function": (lambda: executor.PipelineExecutor(SCHEDULE, {0: LINEAR}, "mse"),
                                      r"pass e.g. torch.nn.functional.mse_loss"),
-    "rank_grid D = 0": (lambda: grid.rank_grid(0, 2), r"N_d \(the number of pipelines\).*such as N_d = 2"),
+    "mesh dp = 0": (lambda: mesh.axis_groups("pp", dp=0, pp=2),
+                    r"dp \(the number of data-parallel replicas\).*such as dp=2"),
     # --- collectives and the alpha-beta model ---------------------------------------------------
     "collective on a list": (lambda: collectives.ring_allreduce([1.0, 2.0]), r"pass one, e.g. torch.tensor"),
     "ring_steps N = 2.5": (lambda: collectives.ring_steps(2.5), r"N \(the number of ranks\).*such as N = 4"),
@@ -164,7 +166,8 @@ def grid_of_true_pipelines():
 
 
 def test_a_grid_degree_of_true_is_refused(cluster2):
-    assert all("choose N_d and K with N_d x K = 2" in message for message in cluster2.run(grid_of_true_pipelines))
+    assert all("N_d (the number of pipelines) must be a whole number >= 1, got True" in message
+               for message in cluster2.run(grid_of_true_pipelines))
 
 
 @pytest.mark.parametrize("argv, complaint", [

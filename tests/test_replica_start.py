@@ -56,7 +56,7 @@ BROADCASTS = {
     "DDP": [4 * n for n in (15, 5, 20, 4, 4)],  # each parameter and buffer: tensors as they are
     "ZeroDP": [4 * n for n in (20, 20, 4, 4)],  # one flat buffer of the trainable ones, then the rest
     "FSDP": [4 * n for n in (20, 12)],  # each unit's flat parameter (padded to a multiple of 2)
-    "grid": [4 * 32],  # the stage's trainable parameters as one flat buffer
+    "grid": [4 * n for n in (15, 5, 10, 2)],  # the stage's DDP engine over its column: each parameter as it is
 }
 
 

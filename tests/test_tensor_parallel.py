@@ -15,8 +15,9 @@ from torch import nn
 from parlab import trace
 from parlab.gpt import GPT, CharDataset, GPTConfig
 from parlab.numerics import assert_equivalent, backward_in_shards, ring_orders
+from parlab.runtime.mesh import axis_groups
 from parlab.tensor_parallel import ParallelGPT
-from parlab.tensor_parallel.grid import TensorDataParallel, rank_grid
+from parlab.tensor_parallel.grid import TensorDataParallel
 
 CONFIG = GPTConfig(V=64, s=16, h=32, a=4, L=2)
 B, STEPS, LR = 4, 5, 0.5
@@ -137,7 +138,7 @@ def train_on_grid(sequence_parallel):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_a_2_by_2_grid_of_data_and_tensor_parallelism_trains_like_one_process(sequence_parallel, cluster4):
-    assert rank_grid(2, 2) == [[0, 1], [2, 3]]
+    assert axis_groups("tp", dp=2, tp=2) == [[0, 1], [2, 3]]  # the rows: tensor parallelism innermost
     for rank, (grads, params, expected) in enumerate(cluster4.run(train_on_grid, sequence_parallel, timeout=180)):
         (ref_grads, ref_params), decomposed = expected[0], expected[1:]
         assert_equivalent(grads, ref_grads, [d[0] for d in decomposed], f"grid rank {rank}: gradients")

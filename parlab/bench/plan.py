@@ -3,8 +3,8 @@
 Each plan of ``--plans`` (indices into ``parlab.plan.measure.LAYOUTS``, default all: every
 engine, with and without accumulation and recompute, on one, two and three axes) runs
 ``--steps`` steps after a warm-up on the emulated cluster of ``parlab.plan.measure`` (4 or 8
-ranks, its link and declared compute), one cluster per size; each row gives the planner's step time and its terms, the measured
-median (each step's slowest rank), ``ratio`` = measured / predicted (the one convention:
+ranks, its link and declared compute), one cluster per size; each row gives the planner's
+step time and its terms, the measured median (each step's slowest rank), ``ratio`` = measured / predicted (the one convention:
 parlab's run over the reference, here the planner's prediction; below 1 the run beat the
 prediction), and the model-state bytes, predicted and measured. The run's own CPU work (the
 ranks' real arithmetic and Python's messages, about 0.1 to 0.4 s a step on 2 shared cores)
@@ -55,15 +55,15 @@ def plan_row(m):
 
 
 def format_report(result):
-    headers = ["plan (N_d x t x K)", "ranks", "predicted", "compute", "tensor", "pipeline", "bubble", "data", "measured",
-               "ratio", "states predicted", "measured", "ratio"]
+    headers = ["plan (N_d x t x K)", "ranks", "predicted", "compute", "tensor", "pipeline", "bubble", "data",
+               "measured", "ratio", "states predicted", "measured", "ratio"]
     rows = [[row["plan"], row["ranks"], format_seconds(row["predicted_s"]),
              *(_seconds(row["terms"][term]) for term in ("compute", "tensor", "pipeline", "bubble", "data")),
              format_seconds(row["measured_s"]), f"{row['ratio']:.3f}", f"{row['predicted_state_bytes']:,.0f}",
              f"{row['measured_state_bytes']:,}", f"{row['state_ratio']:.4f}"] for row in result["rows"]]
     return (f"parlab bench plan: {result['cluster']}, link {result['link']}, {result['cluster_flops']:.3g} FLOP/s "
-            f"declared per cluster (1/N per rank); small GPT (Psi = {result['psi']:,}), B = {result['batch']}, {result['steps']} "
-            f"steps per plan; torch {result['torch_version']}, {result['cpu_count']} CPU cores\n"
+            f"declared per cluster (1/N per rank); small GPT (Psi = {result['psi']:,}), B = {result['batch']}, "
+            f"{result['steps']} steps per plan; torch {result['torch_version']}, {result['cpu_count']} CPU cores\n"
             f"{ratio_header(REFERENCE)}\n\n{format_table(headers, rows)}")
 
 

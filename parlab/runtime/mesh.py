@@ -78,15 +78,8 @@ class Mesh:
 
     def all_groups(self, axis):
         """Every group along ``axis``, as lists of global ranks: one per coordinate of the
-        other axes, in row-major order."""
-        axis = _axis(axis)
-        position = AXES.index(axis)
-        others = [range(size) for other, size in zip(AXES, self.shape) if other != axis]
-        groups = []
-        for fixed in itertools.product(*others):
-            coordinates = [list(fixed[:position]) + [i] + list(fixed[position:]) for i in range(self.shape[position])]
-            groups.append([_ravel(c, self.shape) for c in coordinates])
-        return groups
+        other axes, in row-major order (``axis_groups``)."""
+        return axis_groups(axis, **self.sizes)
 
     def close(self):
         """Destroy this mesh's groups (on every rank, as they were made)."""
@@ -105,6 +98,22 @@ class Mesh:
     def __repr__(self):
         place = ", ".join(f"{axis} {self.coordinates[axis]} of {self.sizes[axis]}" for axis in AXES)
         return f"Mesh(rank {self.rank}: {place})"
+
+
+def axis_groups(axis, dp=1, pp=1, tp=1):
+    """Every group along ``axis`` of a mesh of these sizes, as lists of global ranks, one per
+    coordinate of the other axes in row-major order; no world needed (a lecture draws the
+    layout with it): ``axis_groups("pp", dp=2, pp=2) == [[0, 2], [1, 3]]``."""
+    axis = _axis(axis)
+    sizes = {name: _size(name, value) for name, value in (("pp", pp), ("dp", dp), ("tp", tp))}
+    shape = tuple(sizes[name] for name in AXES)
+    position = AXES.index(axis)
+    others = [range(size) for other, size in zip(AXES, shape) if other != axis]
+    groups = []
+    for fixed in itertools.product(*others):
+        coordinates = [list(fixed[:position]) + [i] + list(fixed[position:]) for i in range(shape[position])]
+        groups.append([_ravel(c, shape) for c in coordinates])
+    return groups
 
 
 def _size(axis, value):

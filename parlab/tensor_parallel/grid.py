@@ -1,5 +1,6 @@
-"""Data parallelism x tensor parallelism: N = N_d x t ranks form a grid of N_d replicas of a
-model split over t ranks (as ``parlab.pipeline.grid`` does with pipelines).
+"""Data parallelism x tensor parallelism: N = N_d x t ranks form a ``parlab.Mesh(dp=N_d,
+tp=t)``, N_d replicas of a model split over t ranks (as ``parlab.pipeline.grid`` does with
+pipelines; ``parlab.mesh_training`` adds the third axis).
 
 The lecture's 2 x 2 grid (N_d = 2 replicas, t = 2, N = 4 ranks):
 
@@ -10,8 +11,8 @@ The lecture's 2 x 2 grid (N_d = 2 replicas, t = 2, N = 4 ranks):
                        |                 |
     replica 1        rank 2  <--TP-->  rank 3         samples B/2 .. B - 1
 
-Layout: the rows are tensor-parallel groups, the columns data-parallel groups. Rank r of
-replica d is global rank d t + r (``rank_grid(N_d, t)[d][r]``). Tensor parallelism talks in
+Layout: the mesh's (``parlab.runtime.mesh``): the rows are tensor-parallel groups, the
+columns data-parallel groups. Rank r of replica d is global rank d t + r. Tensor parallelism talks in
 every layer, on the critical path, so its group gets neighbouring ranks: on real machines
 those share a node and its fast links (Megatron-LM's order, tensor parallelism innermost).
 The data-parallel all-reduce comes once per step and can cross the slower network.
@@ -19,8 +20,9 @@ The data-parallel all-reduce comes once per step and can cross the slower networ
 One step: replica d runs forward and backward on its B/N_d samples with its row's
 collectives; then (with sequence parallelism, after the row's sum of the replicated
 parameters' gradients) each rank averages the gradients of its parameter shards over its
-column: one ring all-reduce of one flat buffer, padded with zeros to a multiple of N_d.
-Every rank then holds the full-batch gradient of its shard, as one process would.
+column: one ring all-reduce of one flat buffer (``parlab.ddp.DDP(variant="flat")`` over the
+column, lecture 02's engine). Every rank then holds the full-batch gradient of its shard, as
+one process would.
 
 ZeRO stage 1 on the data axis (``zero_optimizer``, lecture 04): the N_d ranks of a column
 hold the same tensor-parallel shard, so they also split its optimizer state N_d ways. The
@@ -30,26 +32,27 @@ of its 1/N_d of the flat buffer, the optimizer's step of that piece, and an all-
 brings every rank the whole updated buffer: the same bytes, 1/N_d of the optimizer state.
 """
 
-import torch
-import torch.distributed as dist
+import functools
 
-from parlab import p2p, trace
+import torch
+
+from parlab import trace
 from parlab.collectives import ring_allreduce
-from parlab.flat import FlatLayout
-from parlab.pipeline.grid import rank_grid
+from parlab.ddp import DDP
+from parlab.runtime.mesh import Mesh
 from parlab.tensor_parallel.model import ParallelGPT
 from parlab.zero.stages import ZeroDP
 
-__all__ = ["TensorDataParallel", "rank_grid"]
+__all__ = ["TensorDataParallel"]
 
 
 class TensorDataParallel:
     """This rank's place in a grid of N_d = ``data_parallel_degree`` replicas of ``model``
-    (a ``parlab.gpt.GPT``) split over t = N / N_d ranks each (module docstring). Every rank
-    builds it, in the same order (it creates the row and column groups). The replicas start
-    from replica 0's weights (one broadcast per column).
+    (a ``parlab.gpt.GPT``) split over t = N / N_d ranks each, a ``parlab.Mesh(dp=N_d, tp=t)``
+    (module docstring). Every rank builds it, in the same order (its mesh creates the groups).
+    The replicas start from replica 0's weights (the data-parallel engine's broadcast).
 
-    Attributes: ``replica`` (d), ``tensor_parallel_ranks`` (this row),
+    Attributes: ``mesh``, ``replica`` (d), ``tensor_parallel_ranks`` (this row),
     ``data_parallel_ranks`` (this column), ``model`` (this rank's ``ParallelGPT``).
 
     ``zero_optimizer``: an optimizer class (e.g. torch.optim.Adam, with ``optimizer_kwargs``)
@@ -62,27 +65,23 @@ class TensorDataParallel:
 
     def __init__(self, model, data_parallel_degree, sequence_parallel=False, zero_optimizer=None,
                  **optimizer_kwargs):
-        N_d, world = data_parallel_degree, dist.get_world_size()
+        N_d, world = data_parallel_degree, torch.distributed.get_world_size()
         if isinstance(N_d, bool) or not isinstance(N_d, int) or N_d < 1 or world % N_d:
             raise ValueError(f"a grid of N_d = {N_d!r} replicas needs a world of N_d x t ranks, but {world} are "
                              f"running: choose N_d that divides {world}.")
-        t = world // N_d
-        grid = rank_grid(N_d, t)
-        columns = [[row[r] for row in grid] for r in range(t)]
-        rows = [dist.new_group(row) for row in grid]  # every rank creates every group, in one order
-        cols = [dist.new_group(column) for column in columns]
-        self.replica, r = divmod(dist.get_rank(), t)
-        self.data_parallel_degree = N_d
-        self.tensor_parallel_ranks, self.data_parallel_ranks = grid[self.replica], columns[r]
-        self.tensor_parallel_group, self.data_parallel_group = rows[self.replica], cols[r]
+        self.mesh = Mesh(dp=N_d, tp=world // N_d)
+        self.replica, self.data_parallel_degree = self.mesh.coordinate("dp"), N_d
+        self.tensor_parallel_ranks, self.data_parallel_ranks = self.mesh.ranks("tp"), self.mesh.ranks("dp")
+        self.tensor_parallel_group, self.data_parallel_group = self.mesh.group("tp"), self.mesh.group("dp")
         self.model = ParallelGPT(model, self.tensor_parallel_group, sequence_parallel)
-        self.parameters = list(self.model.parameters())
-        self.layout = FlatLayout([p.shape for p in self.parameters], N_d)
         self.zero, self.optimizer = None, None
         if zero_optimizer is None:
-            self._copy_parameters_from_replica_0()
+            average = functools.partial(ring_allreduce, check=False, group=self.data_parallel_group)
+            self.engine = DDP(self.model, variant="flat", all_reduce=average, broadcast_buffers=False,
+                              group=self.data_parallel_group)
         else:  # the engine starts the column from its first rank's (replica 0's) values
-            self.zero = ZeroDP(self.model, zero_optimizer, stage=1, group=self.data_parallel_group, **optimizer_kwargs)
+            self.engine = self.zero = ZeroDP(self.model, zero_optimizer, stage=1, group=self.data_parallel_group,
+                                             **optimizer_kwargs)
             self.optimizer = self.zero.optimizer
 
     def step(self, tokens, targets):
@@ -101,25 +100,19 @@ class TensorDataParallel:
         loss = self.model.loss(tokens, targets)
         loss.backward()
         self.model.reduce_sequence_parallel_gradients()
-        if self.zero is not None:
-            # reduce-scatter: rank d of the column gets the averaged gradient of its shard
-            with trace.span("data-parallel reduce-scatter"):
-                self.zero.finish_gradient_synchronization()
-            # the engine's step: its "optimizer" span steps this rank's 1/N_d (with its 1/N_d of the
-            # optimizer state), its "all-gather parameters" span brings the column every shard
-            with trace.span("data-parallel all-gather"):
-                self.zero.step()
+        if self.zero is None:
+            with trace.span("data-parallel all-reduce"), torch.no_grad():
+                self.engine.finish_gradient_synchronization()
             return loss.detach()
-        with trace.span("data-parallel all-reduce"), torch.no_grad():
-            flat = self.layout.flatten([p.grad for p in self.parameters])
-            ring_allreduce(flat, op="avg", check=False, group=self.data_parallel_group)
-            for p, averaged in zip(self.parameters, self.layout.views(flat)):
-                p.grad = averaged
+        # reduce-scatter: rank d of the column gets the averaged gradient of its shard
+        with trace.span("data-parallel reduce-scatter"):
+            self.zero.finish_gradient_synchronization()
+        # the engine's step: its "optimizer" span steps this rank's 1/N_d (with its 1/N_d of the
+        # optimizer state), its "all-gather parameters" span brings the column every shard
+        with trace.span("data-parallel all-gather"):
+            self.zero.step()
         return loss.detach()
 
-    def _copy_parameters_from_replica_0(self):
-        with torch.no_grad():
-            flat = self.layout.flatten([p.detach() for p in self.parameters])
-            p2p.broadcast(flat, src=self.data_parallel_ranks[0], group=self.data_parallel_group)
-            for p, value in zip(self.parameters, self.layout.views(flat)):
-                p.copy_(value)
+    def close(self):
+        """Destroy the mesh's groups."""
+        self.mesh.close()
