@@ -3,13 +3,13 @@
 Each plan of ``--plans`` (indices into ``parlab.plan.measure.LAYOUTS``, default all: every
 engine, with and without accumulation and recompute, on one, two and three axes) runs
 ``--steps`` steps after a warm-up on the emulated cluster of ``parlab.plan.measure`` (4 or 8
-ranks, its link and declared compute), one cluster per size; each row gives the planner's
-step time and its terms, the measured median (each step's slowest rank), ``ratio`` = measured / predicted (the one convention:
-parlab's run over the reference, here the planner's prediction; below 1 the run beat the
-prediction), and the model-state bytes, predicted and measured. The run's own CPU work (the
-ranks' real arithmetic and Python's messages, about 0.1 to 0.4 s a step on 2 shared cores)
-comes on top of the declared time: it is why ratios sit a little above 1 here, and why the
-declared device is slow.
+ranks, its link and declared compute), one cluster per size. Each row gives the planner's
+step time and its terms, the measured median (each step's slowest rank), ``ratio`` =
+measured / predicted (the one convention: parlab's run over the reference, here the
+planner's prediction; below 1 the run beat the prediction), and the model-state bytes,
+predicted and measured. The run's own CPU work (the ranks' real arithmetic and Python's
+messages, about 0.1 to 0.4 s a step on 2 shared cores, more with 8 ranks) comes on top of the
+declared time: it is why ratios sit a little above 1 here, and why the declared device is slow.
 """
 
 import os
