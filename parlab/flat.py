@@ -1,7 +1,7 @@
 """Flat parameters: a group of tensors as one padded 1-D buffer cut into N_d equal shards.
 
-The sharding helper that ZeRO and FSDP (``parlab.zero``) and the data-parallel columns of a
-pipeline grid (``parlab.pipeline.grid``) share. The parameters of a unit (a layer, a block,
+The sharding helper of ZeRO and FSDP (``parlab.zero``) and of ZeRO's optimizer
+(``parlab.zero.ShardedOptimizer``). The parameters of a unit (a layer, a block,
 the whole model) are laid end to end in one flat buffer of Psi_u elements, padded with
 zeros to a multiple of N_d, and cut into N_d shards of ceil(Psi_u / N_d) elements each.
 The padding makes every shard the same size, so one ring reduce-scatter or all-gather moves

@@ -37,6 +37,7 @@ a declared compute time per layer and micro-batch, forward (backward twice that)
 every layer, recomputed with it).
 """
 
+import dataclasses
 from contextlib import nullcontext
 
 import torch
@@ -48,12 +49,13 @@ from parlab.ddp import DDP
 from parlab.emulated import ComputeTime
 from parlab.memory import measure_model_state
 from parlab.pipeline import PipelineExecutor, gpipe, one_f_one_b
+from parlab.runtime.mesh import AXES, axis_groups
 from parlab.tensor_parallel.layers import parallel_cross_entropy
 from parlab.tensor_parallel.model import ParallelBlock, ParallelGPT
 from parlab.zero import FSDP, ZeroDP
 from parlab.zero.fsdp import REPLICATED_NAME
 
-__all__ = ["MeshGPT", "RECOMPUTE"]
+__all__ = ["MeshGPT", "RECOMPUTE", "by_axis", "bytes_by_axis"]
 
 RECOMPUTE = (None, "selective", "full")
 DDP_BUCKET_MB = 1  # about a layer of the small GPT per bucket: backward hides all but the last
@@ -200,3 +202,38 @@ class MeshGPT:
                        if torch.is_tensor(state.get("step")))
         return total - counters
 
+
+
+def by_axis(timeline, dp=1, pp=1, tp=1):
+    """A copy of ``timeline`` (a ``parlab.trace.Timeline`` of a run on a mesh of these sizes)
+    whose messages are named by the axis they travel along, "tp", "dp" or "pp" (the mesh's
+    group holding both the rank and its peer), so that a chart draws each axis in one colour;
+    compute spans are left as they are, and so is a message with no peer (DDP's
+    "all_reduce" record)."""
+    place = _places(dp, pp, tp)
+    copy = trace.Timeline([], timeline.world_size, timeline.results, regime=timeline.regime)
+    copy.events = [dataclasses.replace(ev, name=_axis_of(ev, place)) if ev.kind == trace.COMM and ev.peer is not None
+                   else ev for ev in timeline.events]
+    return copy
+
+
+def bytes_by_axis(timeline, dp=1, pp=1, tp=1):
+    """{axis: [bytes each rank sent along it]} of a run on a mesh of these sizes."""
+    place, sent = _places(dp, pp, tp), {axis: [0] * timeline.world_size for axis in AXES}
+    for ev in timeline.events:
+        if ev.kind == trace.COMM and ev.name in ("send", "isend") and ev.peer is not None:
+            sent[_axis_of(ev, place)][ev.rank] += ev.nbytes
+    return sent
+
+
+def _places(dp, pp, tp):
+    """{axis: {rank: the index of its group along the axis}}."""
+    return {axis: {rank: index for index, group in enumerate(axis_groups(axis, dp=dp, pp=pp, tp=tp))
+                   for rank in group} for axis in AXES}
+
+
+def _axis_of(ev, place):
+    for axis in AXES:  # the one axis whose group holds both ends: the others' coordinates are equal
+        if place[axis][ev.rank] == place[axis][ev.peer]:
+            return axis
+    raise ValueError(f"rank {ev.rank} and its peer {ev.peer} share no axis of the mesh: is it the run's mesh?")

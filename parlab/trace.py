@@ -205,7 +205,9 @@ COMPUTE_COLOURS = {
 }
 # A send and an isend are one kind of transfer, and so are a recv and an irecv.
 COMM_COLOURS = {"send": "tab:red", "isend": "tab:red", "recv": "tab:purple", "irecv": "tab:purple",
-                "all_reduce": "tab:brown", "broadcast": "maroon"}
+                "all_reduce": "tab:brown", "broadcast": "maroon",
+                # a mesh's messages by the axis they travel along (parlab.mesh_training.by_axis)
+                "tp": "tab:red", "dp": "darkviolet", "pp": "black"}
 SPARE_COLOURS = ["#ffbb78", "#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5", "#ff9896", "navy",
                  "darkolivegreen", "chocolate", "indigo", "crimson", "black"]
 

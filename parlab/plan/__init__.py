@@ -7,8 +7,8 @@ plan with the sentence that rejects it.
     planner.py   plans, best_plans, Plan: every plan, ranked, rejected ones with a reason
     costs.py     plan_memory, plan_time, Memory, StepTime: the formulas
     table.py     plan_table (a list of dicts) and format_table (text)
-    measure.py   run_plan, check_plans: plans of the small GPT run on emulated ranks, beside
-                 the prediction
+    measure.py   run_plan, trace_plan, check_plans: plans of the small GPT run on a mesh of
+                 emulated ranks (parlab.mesh_training), beside the prediction
 
     from parlab.plan import Batch, Cluster, Model, best_plans
     best_plans(Model.llama2_70b(), Batch(B=1536, b=1), Cluster.dgx_a100(nodes=64))
@@ -16,10 +16,10 @@ plan with the sentence that rejects it.
 
 from parlab.plan.costs import Memory, StepTime, plan_memory, plan_time
 from parlab.plan.inputs import GIB, Batch, Cluster, Model
-from parlab.plan.measure import Measured, check_plans, emulated_cluster, run_plan
+from parlab.plan.measure import Measured, check_plans, emulated_cluster, run_plan, trace_plan
 from parlab.plan.planner import Plan, best_plans, grids, plans
 from parlab.plan.table import format_table, plan_label, plan_table
 
 __all__ = ["GIB", "Batch", "Cluster", "Measured", "Model", "Memory", "Plan", "StepTime", "best_plans", "check_plans",
-           "emulated_cluster", "format_table", "grids", "run_plan",
+           "emulated_cluster", "format_table", "grids", "run_plan", "trace_plan",
            "plan_label", "plan_memory", "plan_table", "plan_time", "plans"]

@@ -175,6 +175,16 @@ def run_plan(plan, batch=BATCH, cluster=None, steps=3, runtime=None):
     """Train the small GPT ``steps`` + 1 steps with ``plan`` on ``runtime`` (a ``parlab.Cluster``
     of the plan's ranks; one is started and closed if None) with the emulated link, and return
     its ``Measured``."""
+    return _run(plan, batch, cluster, steps, runtime, traced=False)[0]
+
+
+def trace_plan(plan, batch=BATCH, cluster=None, steps=1, runtime=None):
+    """``run_plan``, traced: (its ``Measured``, the ``parlab.trace.Timeline`` of the call, each
+    step a "step" span: ``timeline.window("step")`` is the last)."""
+    return _run(plan, batch, cluster, steps, runtime, traced=True)
+
+
+def _run(plan, batch, cluster, steps, runtime, traced):
     if not isinstance(plan, Plan):
         raise ValueError(f"plan must be a parlab.plan.Plan, got {type(plan).__name__}: take one of "
                          "parlab.plan.measure.predicted_plans(), or build Plan(N_d, t, K, zero, b, M, recompute).")
@@ -189,10 +199,15 @@ def run_plan(plan, batch=BATCH, cluster=None, steps=3, runtime=None):
     memory, seconds = predict(plan, batch, cluster)
     layer_seconds = declared_seconds(plan, cluster)
     layout = (plan.N_d, plan.t, plan.K, plan.zero, plan.b, plan.M, plan.recompute, plan.offload)
+    timeline = None
     with _ranks(runtime, cluster) as ranks, ranks.emulate(link=cluster.intra):
-        results = ranks.run(train_plan, layout, batch.B, layer_seconds, steps)
+        if traced:
+            timeline = ranks.trace(train_plan, layout, batch.B, layer_seconds, steps)
+            results = timeline.results
+        else:
+            results = ranks.run(train_plan, layout, batch.B, layer_seconds, steps)
     step_seconds = statistics.median(max(times) for times in zip(*(r["times"] for r in results)))
-    return Measured(plan, memory, seconds, max(r["state_bytes"] for r in results), step_seconds)
+    return Measured(plan, memory, seconds, max(r["state_bytes"] for r in results), step_seconds), timeline
 
 
 def check_plans(batch=BATCH, cluster=None, steps=3, runtime=None, layouts=LAYOUTS, desc="plans"):

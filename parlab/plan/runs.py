@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parlab import runtime
+from parlab import runtime, trace
 from parlab.emulated import ComputeTime
 from parlab.gpt import GPT, CharDataset, GPTConfig
 from parlab.mesh_training import MeshGPT
@@ -57,7 +57,7 @@ def train_plan(layout, B, layer_seconds, steps):
             tokens, targets = (part.to(device) for part in data.batch(B, CONFIG.s, generator))
             dist.barrier()
             start = time.perf_counter()
-            with _undeclared(declared) if i == 0 else nullcontext():  # the warm-up, not timed: no need to wait
+            with _undeclared(declared) if i == 0 else nullcontext(), trace.span("step"):  # warm-up: no waiting
                 loss_sum = trainer.step(tokens, targets)
             if on_gpu:
                 torch.cuda.synchronize(device)
