@@ -49,7 +49,7 @@ from parlab.ddp import DDP
 from parlab.emulated import ComputeTime
 from parlab.memory import measure_model_state
 from parlab.pipeline import PipelineExecutor, gpipe, one_f_one_b
-from parlab.runtime.mesh import AXES, axis_groups
+from parlab.runtime.mesh import AXES, Mesh, axis_groups
 from parlab.tensor_parallel.layers import parallel_cross_entropy
 from parlab.tensor_parallel.model import ParallelBlock, ParallelGPT
 from parlab.zero import FSDP, ZeroDP
@@ -63,13 +63,21 @@ DDP_BUCKET_MB = 1  # about a layer of the small GPT per bucket: backward hides a
 
 class MeshGPT:
     """This rank's part of ``gpt`` (a ``parlab.gpt.GPT``, the same on every rank) trained on
-    ``mesh`` (module docstring). ``zero``: the ZeRO stage on the data axis (0 to 3);
-    ``microbatches``: M per replica and step; ``optimizer_class`` and ``**optimizer_kwargs``:
-    the optimizer (Adam); ``offload``: ZeRO-Offload at stages 1 and 2. Attributes: ``model``
-    (this rank's ``ParallelGPT`` stage), ``engine`` (the data-parallel engine around it), ``optimizer``."""
+    ``mesh`` (a ``parlab.Mesh``; module docstring). ``zero``: the ZeRO stage on the data axis
+    (0 to 3); ``microbatches``: M per replica and step; ``optimizer_class`` and
+    ``**optimizer_kwargs``: the optimizer (Adam); ``offload``: ZeRO-Offload at stages 1 and 2.
+
+    Attributes: ``model`` (this rank's ``ParallelGPT`` stage), ``engine`` (the data-parallel
+    engine around it), ``optimizer``, ``numel`` (the parameters of this rank's stage and
+    tensor shard, before the data axis shards them) and ``kept_whole`` (those of them FSDP
+    keeps whole on the data axis: the tp group's replicated ones at ZeRO 3 with sequence
+    parallelism, else 0)."""
 
     def __init__(self, gpt, mesh, zero=0, sequence_parallel=True, microbatches=1, recompute=None,
                  optimizer_class=torch.optim.Adam, layer_seconds=0.0, offload=False, **optimizer_kwargs):
+        if not isinstance(mesh, Mesh):
+            raise ValueError(f"mesh must be a parlab.Mesh, got {type(mesh).__name__}: build one on every rank, e.g. "
+                             "parlab.Mesh(dp=2, pp=2, tp=2).")
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {zero!r}.")
         if offload and zero not in (1, 2):

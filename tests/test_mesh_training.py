@@ -114,3 +114,35 @@ def test_the_gpt_trains_in_three_dimensions_like_one_process(cluster8):
 def test_the_gpt_trains_on_every_pair_of_axes_like_one_process(cluster4):
     for config in FOUR:
         assert_like_one_process(cluster4, config)
+
+
+def learner_mistakes():
+    from parlab.mesh_training import MeshGPT
+
+    messages = []
+    with parlab.Mesh(dp=2) as mesh:
+        for options in (dict(zero=4), dict(zero=0, offload=True), dict(recompute="attention"), dict(microbatches=0)):
+            try:
+                MeshGPT(GPT(CONFIG), mesh, **options)
+            except ValueError as error:
+                messages.append(str(error))
+        tokens, targets = batches()[0]
+        try:
+            MeshGPT(GPT(CONFIG), mesh, microbatches=2).step(tokens[:6], targets[:6])
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+@pytest.mark.timeout(120)
+def test_bad_arguments_say_what_to_change(cluster2):
+    from parlab.mesh_training import MeshGPT
+
+    with pytest.raises(ValueError, match="mesh must be a parlab.Mesh"):
+        MeshGPT(GPT(CONFIG), (2, 2, 2))
+    for messages in cluster2.run(learner_mistakes, timeout=60):
+        zero, offload, recompute, microbatches, batch = messages
+        assert "zero must be a ZeRO stage 0, 1, 2 or 3, got 4" in zero
+        assert "offload moves the optimizer's shard to the host at ZeRO stages 1 and 2" in offload
+        assert "'full' every layer" in recompute and "microbatches must be a whole number" in microbatches
+        assert "a batch of 6 sequences does not split into dp = 2 replicas of M = 2" in batch
