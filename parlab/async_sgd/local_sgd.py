@@ -26,7 +26,9 @@ node) and the averager averages the nodes' models every H steps; here a rank pla
 
 The average is parlab's ring all-reduce of all parameters flattened into one buffer, each
 divided by N first, as torch's ``average_parameters`` does: 2 (N - 1) messages of d/N
-elements per averaging, every H steps.
+elements per averaging, every H steps. On one axis of a ``parlab.Mesh`` pass its group
+(``PeriodicAverager(H, group=mesh.group("dp"))``, as torch's averager takes a
+``process_group``): the ring then goes round the group's ranks and N is the group's size.
 """
 
 import torch
@@ -37,15 +39,17 @@ from parlab._checks import whole_number
 
 
 class PeriodicAverager:
-    """Average the replicas' parameters at every ``period``-th call after ``warmup_steps``
-    calls (torch's ``PeriodicModelAverager``'s schedule and interface). ``step`` counts the
-    calls so far."""
+    """Average the replicas' parameters over ``group`` (default: all ranks) at every
+    ``period``-th call after ``warmup_steps`` calls (torch's ``PeriodicModelAverager``'s
+    schedule and interface). ``step`` counts the calls so far."""
 
-    def __init__(self, period, warmup_steps=0):
+    def __init__(self, period, warmup_steps=0, group=None):
         self.period = whole_number("period (H, local steps between averagings)", period,
                                    "e.g. period=4; period=1 averages after every step.")
         self.warmup_steps = whole_number("warmup_steps", warmup_steps, "e.g. 0 or 2.", minimum=0)
-        self.step = 0
+        if group is not None:
+            _group_size(group)  # a rank outside the group is told now, not at the first averaging
+        self.group, self.step = group, 0
 
     def averages_now(self):
         """Whether the next call of ``average_parameters`` averages."""
@@ -58,35 +62,36 @@ class PeriodicAverager:
         return self.step < self.warmup_steps
 
     def average_parameters(self, params):
-        """Average ``params`` (parameters, or an optimizer's parameter groups) over the ranks
-        if the schedule says so, then count the call."""
+        """Average ``params`` (parameters, or an optimizer's parameter groups) over the
+        group's ranks if the schedule says so, then count the call."""
         if self.averages_now():
-            average_parameters(params)
+            average_parameters(params, self.group)
         self.step += 1
 
 
-def average_parameters(params):
-    """Replace each parameter by its mean over the N ranks: one ring all-reduce of the
-    parameters flattened and divided by N. ``params``: tensors or parameter groups."""
-    _average([p.detach() for p in _parameters(params)])
+def average_parameters(params, group=None):
+    """Replace each parameter by its mean over the N ranks of ``group`` (default: all): one
+    ring all-reduce of the parameters flattened and divided by N. ``params``: tensors or
+    parameter groups."""
+    _average([p.detach() for p in _parameters(params)], group)
 
 
-def average_gradients(params):
-    """Replace each parameter's gradient by its mean over the N ranks (one ring all-reduce,
-    as DDP does every step): post-local SGD's warm-up. Call it between backward and the
-    optimizer step. ``params``: tensors or parameter groups; those without a gradient are
-    left out."""
-    _average([p.grad for p in _parameters(params) if p.grad is not None])
+def average_gradients(params, group=None):
+    """Replace each parameter's gradient by its mean over the N ranks of ``group`` (default:
+    all; one ring all-reduce, as DDP does every step): post-local SGD's warm-up. Call it
+    between backward and the optimizer step. ``params``: tensors or parameter groups; those
+    without a gradient are left out."""
+    _average([p.grad for p in _parameters(params) if p.grad is not None], group)
 
 
-def _average(tensors):
-    """Each tensor replaced, in place, by its mean over the ranks: flattened into one buffer,
-    divided by N, one ring all-reduce."""
+def _average(tensors, group):
+    """Each tensor replaced, in place, by its mean over the group's ranks: flattened into one
+    buffer, divided by N, one ring all-reduce."""
     if not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])  # (d,)
-    flat /= dist.get_world_size()
-    collectives.ring_allreduce(flat, check=False)
+    flat /= _group_size(group)
+    collectives.ring_allreduce(flat, check=False, group=group)
     offset = 0
     for t in tensors:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))
@@ -103,6 +108,14 @@ def averaging_steps(steps, period, warmup_steps=0):
             chosen.append(step)
         averager.step += 1
     return chosen
+
+
+def _group_size(group):
+    """N, the size of ``group``; a ValueError on a rank outside it."""
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"global rank {dist.get_rank()} is not in the group it passed: pass each rank the group it "
+                         "belongs to (e.g. mesh.group(\"dp\")), and average only on its members.")
+    return dist.get_world_size(group)
 
 
 def _parameters(params):

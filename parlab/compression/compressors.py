@@ -7,6 +7,8 @@ gradient g_r and ``aggregate(g_r)`` returns, on every rank, the average of the N
 reconstructions, communicated as ``parlab.compression.travel`` describes (``sent_bytes(x, N)``
 is what each rank sends, equal to the trace's count). Symbols: N ranks, d elements, k the
 compressor's budget (elements kept), q QSGD's levels (the paper's s), gamma the learning rate.
+On one axis of a ``parlab.Mesh``, ``aggregate(g_r, group=mesh.group("dp"))`` averages over
+that group's ranks only: N is then the group's size.
 
     compressor      C(x)                                            unbiased  message      travels by
     Identity        x                                               yes       4 d          all-reduce
@@ -27,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from parlab._checks import real_number, whole_number
-from parlab.compression.travel import all_gather, all_reduce_sum, pack, sent, unpack
+from parlab.compression.travel import all_gather, all_reduce_sum, pack, place_in, sent, unpack
 
 
 class Compressor:
@@ -46,18 +48,19 @@ class Compressor:
         """Bytes of this rank's message for ``x``."""
         return sum(numel * dtype.itemsize for numel, dtype in self.layout(x))
 
-    def aggregate(self, x, key=0, shapes=None):
+    def aggregate(self, x, key=0, shapes=None, group=None):
         """(mean, own) on every rank: the average over ranks of the reconstructions of each
         rank's ``x``, and this rank's own reconstruction C(x) (what error feedback subtracts).
         ``key`` names the tensor for compressors that keep state per tensor (a DDP bucket);
         ``shapes``, the parameters a bucket holds, matter to PowerSGD only: the compressors
-        here treat a bucket as one vector of d elements."""
-        N = dist.get_world_size()
+        here treat a bucket as one vector of d elements. ``group``: the ranks to average
+        over (default: all of them), e.g. ``mesh.group("dp")``; called by its members only."""
+        _, N = place_in(group)
         message, context = self.encode(x)
         own = self.decode(message, context, x)
         if self.all_reduced:  # the sum of the payloads decodes to the sum of the reconstructions
-            return self.decode([all_reduce_sum(message[0].clone())], context, x) / N, own
-        rows = all_gather(pack(*message))  # (N, bytes of one message)
+            return self.decode([all_reduce_sum(message[0].clone(), group)], context, x) / N, own
+        rows = all_gather(pack(*message), group)  # (N, bytes of one message)
         return sum(self.decode(unpack(row, self.layout(x)), context, x) for row in rows) / N, own
 
     def collectives(self, x):
@@ -104,11 +107,11 @@ class FP16(Compressor):
     def decode(self, message, context, x):
         return message[0].to(x.dtype).view_as(x)
 
-    def aggregate(self, x, key=0, shapes=None):
+    def aggregate(self, x, key=0, shapes=None, group=None):
         # As torch's fp16_compress_hook: divide by N before the 16-bit sum, so that N large
         # values cannot overflow it, then the sum is already the mean.
-        payload = x.reshape(-1).to(self.dtype).div_(dist.get_world_size())
-        return all_reduce_sum(payload).to(x.dtype).view_as(x), self(x)
+        payload = x.reshape(-1).to(self.dtype).div_(place_in(group)[1])
+        return all_reduce_sum(payload, group).to(x.dtype).view_as(x), self(x)
 
 
 class BF16(FP16):
@@ -267,12 +270,12 @@ class SignSGD(Compressor):
     def decode(self, message, context, x):
         return message[0].sign().to(x.dtype).view_as(x)
 
-    def aggregate(self, x, key=0, shapes=None):
-        if dist.get_world_size() > 127:
+    def aggregate(self, x, key=0, shapes=None, group=None):
+        if place_in(group)[1] > 127:
             raise ValueError("signSGD's votes are summed in int8: use at most 127 ranks.")
         (votes,), _ = self.encode(x)
         own = self.decode([votes], None, x)
-        return self.decode([all_reduce_sum(votes)], None, x), own
+        return self.decode([all_reduce_sum(votes, group)], None, x), own
 
 
 class ErrorFeedback:
@@ -281,10 +284,10 @@ class ErrorFeedback:
 
         p = gamma g + epsilon;   delta = C(p);   epsilon = p - delta
 
-    and the step is w <- w - delta (``__call__``; ``aggregate`` steps with the ranks' mean of
-    their deltas). What C drops is not lost but sent later, so biased compressors (top-k,
-    signs) converge. In a DDP hook gamma stays 1: the optimizer multiplies by the learning
-    rate afterwards (exact for a constant learning rate)."""
+    and the step is w <- w - delta (``__call__``; ``aggregate`` steps with the mean of the
+    deltas of the ranks of ``group``, default: all). What C drops is not lost but sent later,
+    so biased compressors (top-k, signs) converge. In a DDP hook gamma stays 1: the optimizer
+    multiplies by the learning rate afterwards (exact for a constant learning rate)."""
 
     def __init__(self, compressor):
         if not callable(getattr(compressor, "aggregate", None)):
@@ -297,9 +300,9 @@ class ErrorFeedback:
         self.residuals[key] = p - delta
         return delta
 
-    def aggregate(self, g, key=0, shapes=None, gamma=1.0):
+    def aggregate(self, g, key=0, shapes=None, gamma=1.0, group=None):
         p = self._corrected(g, gamma, key)
-        mean, own = self.compressor.aggregate(p, key, shapes)
+        mean, own = self.compressor.aggregate(p, key, shapes, group=group)
         self.residuals[key] = p - own
         return mean, own
 

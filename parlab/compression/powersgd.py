@@ -18,11 +18,12 @@ tensor and reused next step (the warm start), so over steps the power iteration 
 PowerSGD is biased: wrap it in ``ErrorFeedback`` (torch's hook has it on by default).
 """
 
+import functools
+
 import torch
-import torch.distributed as dist
 
 from parlab._checks import real_number, whole_number
-from parlab.compression.travel import all_reduce_sum, sent
+from parlab.compression.travel import all_reduce_sum, place_in, sent
 
 
 def orthogonalize(P, eps=1e-8):
@@ -72,10 +73,12 @@ class PowerSGD:
         """One rank's approximation (no communication): P Q^T of each matrix of ``x``."""
         return self._approximate(x, key, shapes, lambda tensor: tensor, 1)
 
-    def aggregate(self, x, key=0, shapes=None):
+    def aggregate(self, x, key=0, shapes=None, group=None):
         """(mean, mean): the approximation of the ranks' mean, the same on every rank, after
-        the two all-reduces. Error feedback subtracts it whole (as torch's hook)."""
-        mean = self._approximate(x, key, shapes, all_reduce_sum, dist.get_world_size())
+        the two all-reduces. Error feedback subtracts it whole (as torch's hook). ``group``:
+        the ranks to average over (default: all), e.g. ``mesh.group("dp")``; N is its size."""
+        _, N = place_in(group)
+        mean = self._approximate(x, key, shapes, functools.partial(all_reduce_sum, group=group), N)
         return mean, mean
 
     def bytes(self, x, shapes=None):

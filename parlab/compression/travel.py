@@ -17,6 +17,9 @@ bytes (``pack``), so it travels as one all-gather and its bytes are exactly the 
 parts: top-k sends (N - 1) k (4 + 8) bytes, against a dense ring's 2 (N - 1)/N 4 d. Top-k
 pays off only when k (4 + 8) < 2 (4 d) / N, i.e. k < 2 d / (3 N) with int64 indices, and
 k < d / N with int32 ones (``topk_pays``).
+
+On one axis of a ``parlab.Mesh`` (``group=mesh.group("dp")``) both travel inside the group:
+N is the group's size and r a rank's place in it, and only the group's members call them.
 """
 
 import torch
@@ -25,18 +28,31 @@ import torch.distributed as dist
 from parlab import collectives
 
 
-def all_reduce_sum(tensor):
-    """Sum ``tensor`` over the ranks in place with parlab's ring all-reduce; returns it."""
-    return collectives.ring_allreduce(tensor, check=False)
+def place_in(group=None):
+    """(r, N): this rank's place in ``group`` and the group's size (``group=None``: every rank
+    of the world). Only the group's members may call its collectives: a ValueError for others."""
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"global rank {dist.get_rank()} is not in the group it passed: pass each rank the group it "
+                         "belongs to (e.g. mesh.group(\"dp\")), and call the compressor only on its members.")
+    return rank, dist.get_world_size(group)
 
 
-def all_gather(message):
-    """Every rank's 1-D ``message`` (the same length on every rank): an (N, L) tensor whose row
-    r is rank r's. A ring all-gather: each rank sends (N - 1) L elements."""
-    N, rank = dist.get_world_size(), dist.get_rank()
+def all_reduce_sum(tensor, group=None):
+    """Sum ``tensor`` over the ranks of ``group`` (default: all) in place with parlab's ring
+    all-reduce; returns it."""
+    place_in(group)
+    return collectives.ring_allreduce(tensor, check=False, group=group)
+
+
+def all_gather(message, group=None):
+    """Every rank's 1-D ``message`` (the same length on every rank of ``group``, default: all):
+    an (N, L) tensor whose row r is that of the group's rank r. A ring all-gather: each rank
+    sends (N - 1) L elements."""
+    rank, N = place_in(group)
     gathered = torch.empty(N, message.numel(), dtype=message.dtype, device=message.device)
     gathered[rank] = message  # rank r owns chunk r, as ring_all_gather expects
-    collectives.ring_all_gather(gathered, check=False)
+    collectives.ring_all_gather(gathered, check=False, group=group)
     return gathered
 
 
