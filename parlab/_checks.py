@@ -57,3 +57,15 @@ def module(name, value, fix):
 
 def refuse(name, requirement, value, fix):
     raise ValueError(f"{name} must be {requirement}, got {value!r}: {fix}")
+
+
+def place_in(group, fix="pass each rank the group it belongs to (e.g. mesh.group(\"dp\")), call on its members."):
+    """(r, N): this rank's place in the process group ``group`` and the group's size
+    (``group=None``: the whole world); a ValueError, ending with ``fix``, on a rank outside it
+    (only a group's members may call its collectives)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"global rank {dist.get_rank()} is not in the group it passed: {fix}")
+    return rank, dist.get_world_size(group)

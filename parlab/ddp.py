@@ -35,7 +35,7 @@ The engines share one set of method names (DDP; ZeroDP and FSDP of ``parlab.zero
 
     method                               DDP                     ZeroDP, FSDP
     engine(x)                            the module's forward    the same (FSDP gathers units)
-    finish_gradient_synchronization()    wait for the averages   ZeroDP: reduce-scatter; FSDP: nothing left
+    finish_gradient_synchronization()    wait for the averages   ZeroDP: wait (stage 1: RS); FSDP: nothing left
     step()                               none: optimizer.step()  the engine's optimizer (if built with one)
     zero_grad()                          the module's gradients  the engine's gradients
     no_sync()                            accumulate locally      FSDP accumulates locally
@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from parlab import background, collectives, p2p, trace
-from parlab._checks import real_number
+from parlab._checks import place_in, real_number
 from parlab.memory import measure_model_state
 from parlab.runtime import emulation
 
@@ -167,7 +167,9 @@ class DDP(torch.nn.Module):
         self.variant, self.broadcast_buffers = variant, broadcast_buffers
         self.all_reduce = all_reduce or _default_all_reduce(group)
         self.comm_hook = comm_hook or self.average_with_all_reduce
-        self.group, self.world_size = group, dist.get_world_size(group)
+        self.group = group
+        _, self.world_size = place_in(group, "build DDP only on the group's members (each rank passes the group it "
+                                             "belongs to).")
         _broadcast_from_first([*module.parameters(), *module.buffers()], group)
 
         cap_mb, during_backward = VARIANTS[variant]

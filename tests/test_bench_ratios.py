@@ -109,7 +109,7 @@ def plan_result():
 
     chosen = measure.predicted_plans(layouts=measure.LAYOUTS[:1])[0]
     row = plan.plan_row(measure.Measured(chosen, chosen.memory, chosen.time, 100, FAST * chosen.time.total))
-    return {"torch_version": "t", "cpu_count": 2, "steps": 1, "cluster": "c", "link": "l", "peak_flops": 1e9,
+    return {"torch_version": "t", "cpu_count": 2, "steps": 1, "cluster": "c", "link": "l", "cluster_flops": 1e9,
             "batch": 16, "psi": 8, "ratio_means": ratio_header(plan.REFERENCE), "rows": [row]}
 
 

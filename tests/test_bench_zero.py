@@ -14,7 +14,9 @@ from parlab.bench.zero import (
     STAGE_RATIO,
     bench_zero_link,
     format_report,
+    overlap_model,
     stage_model,
+    time_overlap,
     time_stages,
 )
 from parlab.memory import FP32_ADAM, STAGES, model_state_bytes, ring_communication_seconds, ring_traffic_bytes
@@ -81,8 +83,11 @@ def test_command_line_link_times_the_stages_and_counts_their_bytes(capsys):
         assert row["real_over_stage_0"] == pytest.approx(row["real_median_s"] / rows[0]["real_median_s"])
     assert [row["traffic_over_stage_0"] for row in rows] == [1, 1, 1, 1.5]
     assert rows[3]["sent_formula"] == pytest.approx(1.5 * rows[0]["sent_formula"], rel=1e-3)  # units pad a little
-    # stage 0 moves one flat buffer of the 2 layers, stage 3 one per layer: model = compute + alpha-beta
-    assert rows[0]["model_s"] == pytest.approx(0.001 + ring_communication_seconds([8320], 2, 4, 0, 100e-6, 200e6))
+    # stage 0 moves one flat buffer of the 2 layers, stage 3 one per layer: model = compute + alpha-beta, but
+    # stage 0's all-reduce runs beside the compute after backward (here shorter than it: hidden)
+    all_reduce = ring_communication_seconds([8320], 2, 4, 0, 100e-6, 200e6)
+    assert all_reduce < 0.001 and rows[0]["model_s"] == pytest.approx(0.001)
+    assert rows[1]["model_s"] == pytest.approx(0.001 + ring_communication_seconds([8320], 2, 4, 1, 100e-6, 200e6))
     assert rows[3]["model_s"] == pytest.approx(0.001 + ring_communication_seconds([4160] * 2, 2, 4, 3, 100e-6, 200e6))
     [target] = result["targets"]
     assert target["value"] == rows[3]["over_stage_0"]
@@ -105,6 +110,29 @@ def test_time_stages_runs_in_the_clusters_regime_and_the_model_reads_its_buffers
     assert min(row["seconds"]) >= 9e-3
     link = Link(latency=1e-3, bandwidth=1e9)
     assert stage_model(row, 2, link, 0.5) == pytest.approx(0.5 + 9 * (1e-3 + 36 * 4 / 1e9))
+    # stages 0 and 2 start the gradients' collective during backward: the compute after it runs beside it
+    flat = dict(row, padded_numels=[216])
+    communication = 2 * (1e-3 + 108 * 4 / 1e9)  # 2 collectives of one message each at N_d = 2
+    for stage, beside in ((0, communication), (1, 0), (2, communication / 2)):
+        for compute in (1e-4, 0.5):
+            assert stage_model(dict(flat, stage=stage), 2, link, compute) == pytest.approx(
+                compute + communication - min(compute, beside)), (stage, compute)
+
+
+@pytest.mark.timeout(120)
+def test_time_overlap_times_fsdp_with_and_without_prefetch_against_its_model(cluster2):
+    link = Link(latency=2e-3, bandwidth=1e9)
+    with cluster2.emulate(link=link):
+        rows = time_overlap(cluster2, hidden=8, depth=3, batch_size=2, layer_s=0.01, steps=1)
+    assert [(row["engine"], row["prefetch"]) for row in rows] == [("FSDP FULL_SHARD, prefetch=False", False),
+                                                                  ("FSDP FULL_SHARD, prefetch=True", True)]
+    collective = 2e-3 + 36 * 4 / 1e9  # one message of half a unit's 72 elements at N_d = 2
+    for row in rows:
+        assert row["padded_numels"] == [72] * 3 and row["timeline"].duration == row["seconds"][-1]
+        model = overlap_model(row, 2, link, 0.01)
+        assert model == pytest.approx(3 * 0.01 * 3 + (2 if row["prefetch"] else 9) * collective)
+        assert row["median_s"] >= 0.98 * model  # an emulated message or compute is never early
+        assert row["timeline"].bytes_sent() == [ring_traffic_bytes(3 * 72, 2, 4, 3)] * 2
 
 
 @pytest.mark.parametrize("call, message", [

@@ -354,11 +354,12 @@ def test_traffic_is_three_transfers_full_shard_two_shard_grad_op(world, request)
 # --- the flow: unit by unit -----------------------------------------------------------------
 
 
-def watched_step(strategy):
+def watched_step(strategy, prefetch):
     """One step with each unit's forward entry marked (a hook after FSDP's: the unit is
     gathered by then); the storage of every unit's full buffer after forward and after
     backward."""
-    engine = FSDP(build(seed=0), torch.optim.SGD, strategy=strategy, wrap_policy="per_layer", lr=0.1)
+    engine = FSDP(build(seed=0), torch.optim.SGD, strategy=strategy, wrap_policy="per_layer", prefetch=prefetch,
+                  lr=0.1)
     for unit in engine.units:
         unit.module.register_forward_pre_hook(functools.partial(mark_entry, unit))
     tokens, targets = my_shard()
@@ -377,6 +378,7 @@ def mark_entry(unit, module, args):
 
 @pytest.mark.timeout(60)
 def test_gathers_unit_by_unit_right_before_use_and_frees_after(cluster2):
+    """Without prefetch (``prefetch=False``) every collective runs where it is needed."""
     # units: 0 the root (tied embedding/output weight, scale), 1 block.0, 2 block.2, 3 norm
     forward = [("all-gather", u) if i % 2 == 0 else ("enter", u) for u in range(4) for i in range(2)]
     flows = {  # backward: the root first (its output), then each unit's gather right before its reduce-scatter
@@ -386,18 +388,49 @@ def test_gathers_unit_by_unit_right_before_use_and_frees_after(cluster2):
         "SHARD_GRAD_OP": forward + [("reduce-scatter", u) for u in (3, 2, 1, 0)],
     }
     for strategy, flow in flows.items():
-        timeline = cluster2.trace(watched_step, strategy, timeout=60)
+        timeline = cluster2.trace(watched_step, strategy, False, timeout=60)
         for rank, (names, after_forward, after_backward, entered) in enumerate(timeline.results):
             assert names == ["", "block.0", "block.2", "norm"]
             spans = [(ev.name, ev.stage) for ev in timeline.select(rank=rank) if ev.name in ("all-gather", "enter",
                                                                                             "reduce-scatter")]
             assert spans == flow, strategy
-            assert all(entered), "a unit computed without its parameters"
-            assert all(after_backward[u] == 0 for u in range(4)), "full parameters kept after backward"
-            if strategy == "FULL_SHARD":
-                assert after_forward == [0] * 4, "full parameters kept between forward and backward"
-            else:
-                assert after_forward == entered, "SHARD_GRAD_OP must keep the gathered parameters for backward"
+            assert_gathered_in_use_and_freed_after(strategy, after_forward, after_backward, entered)
+
+
+@pytest.mark.timeout(60)
+def test_prefetch_gathers_the_next_unit_before_this_one_computes(cluster2):
+    """With prefetch (the default) the collectives run on the communication thread, one at a
+    time in the order they were started: in forward each unit's entry starts the next unit's
+    all-gather; in backward each unit's (the reverse of the order the units returned from
+    forward: root, norm, block.2, block.0) starts the next one's before its own backward, and
+    a unit's reduce-scatter runs while the next unit computes. A unit still enters gathered."""
+    forward = [("all-gather", u) for u in range(4)]
+    flows = {
+        "FULL_SHARD": forward + [("all-gather", 0), ("all-gather", 3), ("all-gather", 2), ("reduce-scatter", 3),
+                                 ("all-gather", 1), ("reduce-scatter", 2), ("reduce-scatter", 1),
+                                 ("reduce-scatter", 0)],
+        "SHARD_GRAD_OP": forward + [("reduce-scatter", u) for u in (3, 2, 1, 0)],
+    }
+    for strategy, flow in flows.items():
+        timeline = cluster2.trace(watched_step, strategy, True, timeout=60)
+        for rank, (_, after_forward, after_backward, entered) in enumerate(timeline.results):
+            collectives = [ev for ev in timeline.select(rank=rank) if ev.name in ("all-gather", "reduce-scatter")]
+            assert [(ev.name, ev.stage) for ev in collectives] == flow, strategy
+            assert all(earlier.end <= later.start for earlier, later in zip(collectives, collectives[1:]))
+            enters = timeline.select(rank=rank, name="enter")
+            assert [ev.stage for ev in enters] == [0, 1, 2, 3]
+            for unit, enter in enumerate(enters):  # entered after its first all-gather ended
+                assert collectives[unit].end <= enter.start
+            assert_gathered_in_use_and_freed_after(strategy, after_forward, after_backward, entered)
+
+
+def assert_gathered_in_use_and_freed_after(strategy, after_forward, after_backward, entered):
+    assert all(entered), "a unit computed without its parameters"
+    assert all(after_backward[u] == 0 for u in range(4)), "full parameters kept after backward"
+    if strategy == "FULL_SHARD":
+        assert after_forward == [0] * 4, "full parameters kept between forward and backward"
+    else:
+        assert after_forward == entered, "SHARD_GRAD_OP must keep the gathered parameters for backward"
 
 
 # --- mixed precision, deferred init ----------------------------------------------------------

@@ -160,10 +160,10 @@ def test_the_measured_peak_of_stage_2_is_its_buckets_and_below_stage_1(world, re
     for rank, measured in enumerate(cluster.run(peaks, timeout=120)):
         stage1 = measured[None][0]
         assert stage1 == 4 * psi  # the flat gradient buffer, all the time
-        expected = {  # B_b + G_b + padded Psi / N_d of the largest bucket
-            "per layer": (4 * (layer + weight + psi // N), [(layer, weight)] * LAYERS),
-            # a weight's bucket is its gradient: no buffer beside it (before, 4 (2 weight + Psi / N_d))
-            "per parameter": (4 * (weight + psi // N), [(WIDTH, WIDTH), (weight, weight)] * LAYERS),
+        expected = {  # B_(b-1) in flight + B_b + G_b + padded Psi / N_d of the largest bucket
+            "per layer": (4 * (layer + layer + weight + psi // N), [(layer, weight)] * LAYERS),
+            # a weight's bucket is its gradient: no buffer beside it, and a bias's bucket in flight
+            "per parameter": (4 * (WIDTH + weight + psi // N), [(WIDTH, WIDTH), (weight, weight)] * LAYERS),
             # its buffer, a whole flat gradient, and the shard's gradient, in its reduce-scatter
             "one bucket": (4 * (psi + psi // N), [(psi, weight)]),
         }
@@ -174,14 +174,16 @@ def test_the_measured_peak_of_stage_2_is_its_buckets_and_below_stage_1(world, re
             assert (peak < stage1) == (buckets != "one bucket"), (rank, buckets)
 
 
-def test_the_stage_2_peak_formula_counts_the_first_bucket_without_the_shard():
-    # the shard's gradient is allocated in the first reduce-scatter, after the first bucket's
-    # last gradient was added and freed: bucket 0 meets one or the other, later buckets both
-    assert stage2_peak_gradient_bytes([(10, 6), (4, 3)], 5) == 4 * max(10 + 6, 4 + 3 + 5)
-    assert stage2_peak_gradient_bytes([(10, 3), (4, 3)], 5, element_bytes=2) == 2 * max(10 + 5, 4 + 3 + 5)
-    assert stage2_peak_gradient_bytes([(4, 3), (10, 6)], 5) == 4 * (10 + 6 + 5)
+def test_the_stage_2_peak_formula_counts_the_first_bucket_without_the_shard_and_the_one_in_flight():
+    # the shard's gradient is allocated at the first launch, after the first bucket's last
+    # gradient was added and freed: bucket 0 meets one or the other, later buckets both, and
+    # the bucket before them in flight
+    assert stage2_peak_gradient_bytes([(10, 6), (4, 3)], 5) == 4 * max(10 + 6, 10 + 4 + 3 + 5)
+    assert stage2_peak_gradient_bytes([(10, 3), (4, 3)], 5, element_bytes=2) == 2 * max(10 + 5, 10 + 4 + 3 + 5)
+    assert stage2_peak_gradient_bytes([(4, 3), (10, 6)], 5) == 4 * (4 + 10 + 6 + 5)
+    assert stage2_peak_gradient_bytes([(20, 3), (1, 1), (2, 1)], 5) == 4 * max(20 + 5, 20 + 1 + 5, 1 + 2 + 1 + 5)
     # a bucket that is one gradient is that gradient: no copy beside it
-    assert stage2_peak_gradient_bytes([(4, 4), (10, 10)], 5) == 4 * (10 + 5)
+    assert stage2_peak_gradient_bytes([(4, 4), (10, 10)], 5) == 4 * (4 + 10 + 5)
     assert stage2_peak_gradient_bytes([(10, 10)], 5) == 4 * (10 + 5)
     with pytest.raises(ValueError, match="G_b <= B_b"):
         stage2_peak_gradient_bytes([(4, 5)], 2)
@@ -208,10 +210,10 @@ def two_heads():
 
 def accumulate_two_micro_batches(stage, second_head):
     """Two micro-batches accumulated before one step; the second head gets a gradient from
-    the micro-batches ``second_head`` says (when not from the last, its stage-2 bucket is
+    the micro-batches ``second_head`` says (when not from the last, its bucket is
     reduced in step()). Integer data: any order of additions gives the same bits."""
     engine = ZeroDP(two_heads(), torch.optim.SGD, stage=stage, lr=2.0**-6,
-                    **({"bucket_cap_mb": 1 / MB} if stage == 2 else {}))
+                    **({"bucket_cap_mb": 1 / MB} if stage != 1 else {}))
     x = torch.randint(-2, 3, (8, 4), generator=torch.Generator().manual_seed(dist.get_rank())).float()
     engine.zero_grad()
     for micro, part in enumerate(x.chunk(2)):
@@ -245,7 +247,7 @@ def step_without_backward():
 @pytest.mark.timeout(60)
 def test_stage_2_mistakes_are_explained(cluster2):
     assert all("backward first" in message for message in cluster2.run(step_without_backward, timeout=60))
-    with pytest.raises(ValueError, match="bucket_cap_mb is for stage 2"):
+    with pytest.raises(ValueError, match="bucket_cap_mb is for stages 0 and 2"):
         ZeroDP(build_chain(), torch.optim.SGD, stage=1, bucket_cap_mb=1, lr=0.1)
     with pytest.raises(ValueError, match="bucket must hold something"):
         ZeroDP(build_chain(), torch.optim.SGD, stage=2, bucket_cap_mb=0, lr=0.1)
@@ -284,9 +286,10 @@ def both_profiled():
 def test_torchs_profiler_sees_stage_2_allocate_less_than_stage_1(world, request):
     """A second witness beside the engine's own accounting: a gradient the engine forgot to
     free (or a reference it kept) would show here. What stage 2 saves is at least the part of
-    stage 1's flat gradient outside the shard, less the bucket buffer and gradient it adds."""
+    stage 1's flat gradient outside the shard, less the two bucket buffers (one filling, one in
+    flight) and the gradient it adds."""
     cluster = request.getfixturevalue(world)
     N, psi = cluster.world_size, LAYERS * (WIDTH + 1) * WIDTH
-    saving = 4 * (psi - psi // N) - 4 * ((WIDTH + 1) * WIDTH + WIDTH * WIDTH)
+    saving = 4 * (psi - psi // N) - 4 * (2 * (WIDTH + 1) * WIDTH + WIDTH * WIDTH)
     for stage1, stage2 in cluster.run(both_profiled, timeout=120):
         assert stage2 <= stage1 - saving, (stage1, stage2, saving)

@@ -161,10 +161,13 @@ def test_measured_model_state_bytes_match_the_formula(world, request):
     kappa = {"Adam": 8, "SGD momentum": 4}  # optimizer-state bytes per parameter
     for rank, results in enumerate(cluster.run(measured_bytes_after_one_step, timeout=60)):
         for (stage, name), (measured, padded, grads_held) in results.items():
-            # Exactly the formula for the padded flat buffer, plus Adam's step count (one fp32 scalar).
+            # Exactly the formula for the padded flat buffer, plus Adam's step count (one fp32 scalar). At
+            # stage 0 the optimizer steps the 4 parameters, as DDP + Adam: kappa Psi, unpadded, 4 step counts.
             assert 0 < padded - psi < N  # WIDE needs padding at N_d = 2 and 4
             formula = model_state_bytes(padded, stage, N, kappa=kappa[name], param_bytes=4, grad_bytes=4)
-            step_count = 4 if name == "Adam" else 0
+            if stage == 0:
+                formula = formula._replace(optimizer=model_state_bytes(psi, 0, N, kappa=kappa[name]).optimizer)
+            step_count = (4 if stage == 0 else 1) * 4 if name == "Adam" else 0
             assert (measured.params, measured.grads, measured.optimizer) == (
                 formula.params, formula.grads, formula.optimizer + step_count), (rank, stage, name)
             assert all(grads_held) == (stage < 2) and any(grads_held) == (stage < 2)
@@ -197,7 +200,9 @@ def test_a_step_sends_the_ring_bytes_of_a_reduce_scatter_and_an_all_gather(world
             sent = sum(ev.nbytes for ev in timeline.select(rank=rank, kind="comm")
                        if ev.name in ("send", "isend") and ev.start >= start)
             assert sent == steps * ring_traffic_bytes(padded, N, 4, stage) == steps * 2 * (N - 1) * padded * 4 / N
-            assert len(timeline.select(rank=rank, name="reduce-scatter gradients")) == steps
+            # stage 0: one all-reduce per bucket (one bucket for the toy), stages 1 and 2: one reduce-scatter
+            name = "all-reduce gradients" if stage == 0 else "reduce-scatter gradients"
+            assert len(timeline.select(rank=rank, name=name)) == steps
 
 
 # --- mistakes ----------------------------------------------------------------------------------

@@ -32,10 +32,9 @@ elements per averaging, every H steps. On one axis of a ``parlab.Mesh`` pass its
 """
 
 import torch
-import torch.distributed as dist
 
 from parlab import collectives
-from parlab._checks import whole_number
+from parlab._checks import place_in, whole_number
 
 
 class PeriodicAverager:
@@ -112,10 +111,8 @@ def averaging_steps(steps, period, warmup_steps=0):
 
 def _group_size(group):
     """N, the size of ``group``; a ValueError on a rank outside it."""
-    if dist.get_rank(group) < 0:
-        raise ValueError(f"global rank {dist.get_rank()} is not in the group it passed: pass each rank the group it "
-                         "belongs to (e.g. mesh.group(\"dp\")), and average only on its members.")
-    return dist.get_world_size(group)
+    return place_in(group, "pass each rank the group it belongs to (e.g. mesh.group(\"dp\")), and average only on "
+                           "its members.")[1]
 
 
 def _parameters(params):

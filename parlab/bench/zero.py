@@ -23,7 +23,8 @@ parlab is faster) and ``ratio["bytes"]`` (below 1, parlab holds less).
 
 Emulated (``--link LATENCY,BANDWIDTH``, e.g. ``--link 200us,25MB/s``): what each stage costs in
 communication, parlab's stages only (torch's communication is its own, which no emulated link
-shapes): ``parlab.bench.zero_link``, whose names this module re-exports.
+shapes), and what FSDP's prefetch hides (``time_overlap``): ``parlab.bench.zero_link``, whose
+names this module re-exports.
 """
 
 import os
@@ -54,14 +55,16 @@ from parlab.bench.zero_link import (
     TARGET_TOLERANCE,
     bench_zero_link,
     format_link_report,
+    overlap_model,
     stage_model,
+    time_overlap,
     time_stages,
 )
 from parlab.memory import FP32_ADAM, model_state_bytes
 
 __all__ = ["ENGINES", "REFERENCE", "STAGE_RATIO", "TARGET_RATIO", "TARGET_TOLERANCE", "add_arguments", "add_ratios",
-           "bench_zero", "bench_zero_link", "format_link_report", "format_report", "measure_engines", "run",
-           "stage_model", "time_stages"]
+           "bench_zero", "bench_zero_link", "format_link_report", "format_report", "measure_engines", "overlap_model",
+           "run", "stage_model", "time_overlap", "time_stages"]
 
 WARMUP_STEPS = 2  # the first step allocates the optimizer state
 MIB = 2**20

@@ -2,6 +2,8 @@
 rank, the exchange with ring neighbours over ``parlab.p2p``, the in-place reduction and the
 reused receive buffers. (The check across ranks is a ring all-gather: ``ring._prepare``.)"""
 
+import threading
+
 import torch
 import torch.distributed as dist
 
@@ -35,17 +37,20 @@ def _exchange(outgoing, dst, incoming, src):
         request.wait()
 
 
-_scratch_buffers = {}
+_scratch_buffers = threading.local()  # .of: {(dtype, device): buffer}, for each thread
 
 
 def _scratch(like, numel):
     """A receive buffer of ``numel`` elements of ``like``'s dtype and device, reused from call
-    to call (one per dtype and device, as large as the largest message so far): allocating
-    and first touching fresh megabytes on every call costs about as much as moving them."""
+    to call (one per dtype, device and thread, as large as the largest message so far):
+    allocating and first touching fresh megabytes on every call costs about as much as moving
+    them. Per thread, because a rank's communication thread (``parlab.background``: DDP, ZeRO)
+    runs collectives while its main thread may run others (tensor parallelism in backward)."""
+    buffers = _scratch_buffers.__dict__.setdefault("of", {})
     key = (like.dtype, like.device)
-    buffer = _scratch_buffers.get(key)
+    buffer = buffers.get(key)
     if buffer is None or buffer.numel() < numel:
-        buffer = _scratch_buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        buffer = buffers[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
     return buffer[:numel]
 
 

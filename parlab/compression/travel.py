@@ -23,19 +23,15 @@ N is the group's size and r a rank's place in it, and only the group's members c
 """
 
 import torch
-import torch.distributed as dist
 
-from parlab import collectives
+from parlab import _checks, collectives
 
 
 def place_in(group=None):
     """(r, N): this rank's place in ``group`` and the group's size (``group=None``: every rank
     of the world). Only the group's members may call its collectives: a ValueError for others."""
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError(f"global rank {dist.get_rank()} is not in the group it passed: pass each rank the group it "
-                         "belongs to (e.g. mesh.group(\"dp\")), and call the compressor only on its members.")
-    return rank, dist.get_world_size(group)
+    return _checks.place_in(group, "pass each rank the group it belongs to (e.g. mesh.group(\"dp\")), and call "
+                                   "the compressor only on its members.")
 
 
 def all_reduce_sum(tensor, group=None):

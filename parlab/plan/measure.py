@@ -25,8 +25,14 @@ it (``plan_time``'s ``overlapped``) is what parlab's engines do, not DeepSpeed's
     ZeRO   engine on the data axis                       behind backward
     0      parlab.ddp.DDP, a bucket per layer, no_sync   all but the last bucket, when K = 1
                                                          (a pipeline all-reduces after its schedule)
-    1, 2   parlab.zero.ZeroDP(stage), one bucket         no (after backward)
-    3      parlab.zero.FSDP, a unit per layer            no (gathers as it goes)
+    1      parlab.zero.ZeroDP(stage=1)                   no (reduce-scatter after backward)
+    2      parlab.zero.ZeroDP(stage=2), one bucket       yes: each micro-batch's reduce-scatter on the
+                                                         communication thread, behind the next ones'
+                                                         compute; the last one's is the floor. Not
+                                                         costed: the parameters' all-gather after the
+                                                         optimizer's step (a little of the step)
+    3      parlab.zero.FSDP, a unit per layer            yes: the next unit's all-gather prefetched,
+                                                         reduce-scatters behind the next unit's backward
 
 Measured per plan: the step time (each step's slowest rank; the median of ``steps`` after one
 warm-up step) and each rank's model states when the gradients are synchronized, before the
@@ -115,9 +121,10 @@ def runnable(plan):
 
 
 def overlapped(plan):
-    """The ZeRO stages whose data-axis communication the plan's engine hides behind backward
-    (module table): DDP's buckets, when no pipeline schedule runs between the backwards."""
-    return (0,) if plan.K == 1 else ()
+    """The ZeRO stages whose data-axis communication the plan's engine hides behind compute
+    (module table): DDP's buckets when no pipeline schedule runs between the backwards,
+    ZeroDP's stage-2 reduce-scatters and FSDP's prefetched gathers always."""
+    return ((0,) if plan.K == 1 else ()) + (2, 3)
 
 
 def predicted_plans(batch=BATCH, cluster=None, layouts=LAYOUTS):

@@ -8,7 +8,9 @@
 Every engine is called like the model, and after ``loss.backward()`` takes its step with
 ``engine.step()``; ``engine.model_state_bytes()`` measures what the rank holds, to compare
 with ``parlab.memory.model_state_bytes``. ``parlab.flat`` is the sharding they share;
-``parlab.zero.buckets`` is stage 2's reduce-scatter during backward; ``ZeroDP(...,
+``parlab.zero.buckets`` is stage 0's all-reduce and stage 2's reduce-scatter during backward,
+on the rank's communication thread (FSDP, with ``prefetch``, gathers the next unit there while
+one computes); ``ZeroDP(...,
 offload=True)`` keeps the optimizer's shard and state on the host (ZeRO-Offload);
 ``FSDP.no_sync()`` accumulates gradients without communication; ``parlab.zero.checkpoint``
 saves and loads full and sharded checkpoints; ``parlab.zero.formulas`` has the bytes stage 2

@@ -146,20 +146,22 @@ def load_sharded_state_dict(engine, state_dict):
     engine.optimizer.load_state_dict(state_dict["optimizer"])
 
 
-# --- ZeroDP: one flat buffer; the optimizer steps this rank's shard of it ----------------------
+# --- ZeroDP: one flat buffer; the optimizer steps this rank's shard of it (stage 0: the parameters) --
 
 
 def _zero_full_state_dict(engine):
-    # every rank takes part in the all-gathers; only rank 0 assembles the dict
-    full_state = {key: _zero_gather(engine, value)
-                  for key, value in engine.optimizer.state.get(engine.shard, {}).items()}
+    if engine.stage == 0:  # its optimizer steps the model's parameters: their states are whole already
+        per_parameter = [{key: value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
+                          for key, value in engine.optimizer.state.get(p, {}).items()} for p in engine.trainable]
+    else:  # every rank takes part in the all-gathers; only rank 0 assembles the dict
+        full_state = {key: _zero_gather(engine, value)
+                      for key, value in engine.optimizer.state.get(engine.shard, {}).items()}
+        per_parameter = [{key: _zero_piece(engine, value, position) for key, value in full_state.items()}
+                         for position in range(len(engine.trainable))]
     if engine.rank != 0:
         return None
     index = {id(p): i for i, p in enumerate(engine.module.parameters())}
-    state = {
-        index[id(p)]: {key: _zero_piece(engine, value, position) for key, value in full_state.items()}
-        for position, p in enumerate(engine.trainable)
-    } if full_state else {}
+    state = {index[id(p)]: s for p, s in zip(engine.trainable, per_parameter) if s}
     group = {**engine.optimizer.state_dict()["param_groups"][0], "params": list(index.values())}
     model = {name: tensor.detach().clone() for name, tensor in engine.module.state_dict().items()}
     return {"model": model, "optimizer": {"state": state, "param_groups": [group]}}
@@ -171,16 +173,24 @@ def _zero_load_full_state_dict(engine, state_dict):
         _zero_offloaded_shard_from_flat(engine)
     index = {id(p): i for i, p in enumerate(engine.module.parameters())}
     per_parameter = [state_dict["optimizer"]["state"].get(index[id(p)], {}) for p in engine.trainable]
+    # torch's load_state_dict keeps a given tensor as it is: copies, so that training on
+    # does not count up the caller's "step" (or change its other states).
+    if engine.stage == 0:  # the optimizer steps the model's parameters, state by state as saved
+        states = {i: {key: _copy(value) for key, value in s.items()} for i, s in enumerate(per_parameter) if s}
+        group = {**state_dict["optimizer"]["param_groups"][0], "params": list(range(len(per_parameter)))}
+        engine.optimizer.load_state_dict({"state": states, "param_groups": [group]})
+        return
     state = {}
     for key, value in per_parameter[0].items():
         if key != "step" and torch.is_tensor(value) and value.shape == engine.trainable[0].shape:
-            flat = engine.layout.flatten([s[key] for s in per_parameter])
-            value = flat if engine.stage == 0 else engine.layout.shard(flat, engine.rank)
-        # torch's load_state_dict keeps a given tensor as it is: a copy, so that training on
-        # does not count up the caller's "step" (or change its other states).
-        state[key] = value.clone() if torch.is_tensor(value) else value
+            value = engine.layout.shard(engine.layout.flatten([s[key] for s in per_parameter]), engine.rank)
+        state[key] = _copy(value)
     group = {**state_dict["optimizer"]["param_groups"][0], "params": [0]}
     engine.optimizer.load_state_dict({"state": {0: state} if state else {}, "param_groups": [group]})
+
+
+def _copy(value):
+    return value.clone() if torch.is_tensor(value) else value
 
 
 def _zero_offloaded_shard_from_flat(engine):
@@ -190,9 +200,9 @@ def _zero_offloaded_shard_from_flat(engine):
 
 
 def _zero_gather(engine, value):
-    """A state tensor of the shard's shape as the full padded flat tensor (stage 0 holds it
-    already); anything else (Adam's step count) as it is."""
-    if not torch.is_tensor(value) or value.shape != engine.shard.shape or engine.stage == 0:
+    """A state tensor of the shard's shape as the full padded flat tensor; anything else
+    (Adam's step count) as it is."""
+    if not torch.is_tensor(value) or value.shape != engine.shard.shape:
         return value
     flat = torch.zeros_like(engine.flat_param)
     engine.layout.shard(flat, engine.rank).copy_(value)

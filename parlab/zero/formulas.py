@@ -13,17 +13,19 @@ N_d (padded Psi), a shard padded Psi / N_d elements; E = ``element_bytes`` per e
 fp32; not the glossary's e, backup workers); kappa bytes of optimizer state per parameter.
 
 Stage 1's gradient peak is its flat gradient, E padded Psi, all the time. Stage 2's, with its
-buckets reduce-scattered in order b = 0, 1, ... during backward, each bucket's gradients
-arriving one at a time before the next bucket's (a chain of layers), B_b elements in bucket b
-and G_b in its largest gradient:
+buckets launched in order b = 0, 1, ... during backward, each bucket's gradients arriving one
+at a time before the next bucket's (a chain of layers), B_b elements in bucket b and G_b in its
+largest gradient, and bucket b - 1's reduce-scatter in flight (alive until waited for, when b
+is launched: ``parlab.zero.buckets``) while bucket b fills:
 
-    E max( B_0 + max(G_0, padded Psi / N_d),  max over b >= 1 of  B_b + G_b + padded Psi / N_d )
+    E max( B_0 + max(G_0, padded Psi / N_d),  max over b >= 1 of  B_(b-1) + B_b + G_b + padded Psi / N_d )
 
-bucket b's buffer, the gradient just produced that is being added into it, and the shard's
-averaged gradient, which is allocated in the first reduce-scatter and lives to the next
-``zero_grad``. A bucket that is one gradient (G_b = B_b) takes that gradient as its buffer:
-G_b counts 0 there. Below stage 1's when every B_b + G_b < (N_d - 1)/N_d padded Psi: buckets
-much smaller than the model. A single bucket for the whole model (B_0 = padded Psi) peaks at
+bucket b's buffer, the gradient just produced that is being added into it, the buffer of bucket
+b - 1 in flight, and the shard's averaged gradient, which is allocated at the first launch
+(after bucket 0's last gradient was added and freed) and lives to the next ``zero_grad``. A
+bucket that is one gradient (G_b = B_b) takes that gradient as its buffer: G_b counts 0 there.
+Below stage 1's when every B_(b-1) + B_b + G_b < (N_d - 1)/N_d padded Psi: buckets much smaller
+than the model. A single bucket for the whole model (B_0 = padded Psi) peaks at
 E (padded Psi + max(G_0, padded Psi / N_d)), above stage 1: its buffer is a whole flat gradient.
 """
 
@@ -33,7 +35,7 @@ from parlab.memory import ModelState
 
 def stage2_peak_gradient_bytes(buckets, shard_numel, element_bytes=4):
     """The formula above: ``buckets`` lists (B_b, G_b) for each bucket in the order they are
-    reduce-scattered, its elements and the elements of its largest gradient; ``shard_numel``
+    launched, its elements and the elements of its largest gradient; ``shard_numel``
     is padded Psi / N_d; ``element_bytes`` E."""
     buckets = list(buckets)
     if not buckets:
@@ -48,8 +50,9 @@ def stage2_peak_gradient_bytes(buckets, shard_numel, element_bytes=4):
     _checks.whole_number("shard_numel", shard_numel, "pass padded Psi / N_d (layout.shard_numel).")
     e = _checks.whole_number("element_bytes", element_bytes, "pass the bytes of one element, 4 in fp32.")
     copied = [(numel, 0 if gradient == numel else gradient) for numel, gradient in buckets]  # G_b = B_b: no copy
-    (first, first_gradient), rest = copied[0], copied[1:]
-    peaks = [first + max(first_gradient, shard_numel), *(numel + gradient + shard_numel for numel, gradient in rest)]
+    (first, first_gradient), in_flight = copied[0], [numel for numel, _ in buckets]
+    peaks = [first + max(first_gradient, shard_numel),
+             *(in_flight[b - 1] + numel + gradient + shard_numel for b, (numel, gradient) in enumerate(copied) if b)]
     return e * max(peaks)
 
 

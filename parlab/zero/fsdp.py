@@ -2,7 +2,8 @@
 optimizer state, and gathers a unit's full parameters only while that unit computes.
 
     engine = FSDP(model, torch.optim.Adam, strategy="FULL_SHARD", wrap_policy="per_layer", lr=1e-3)
-    loss_fn(engine(x_shard), y_shard).backward()   # all-gathers and reduce-scatters run in here
+    loss_fn(engine(x_shard), y_shard).backward()   # all-gathers and reduce-scatters run in here,
+                                                   # the next unit's beside this unit's compute
     engine.step()                                  # the optimizer on this rank's shards
     engine.zero_grad()
 
@@ -26,16 +27,35 @@ on one rank: ``gather``, ``free``, ``reduce_gradient``):
               the shard Parameter's .grad, free the full buffer and its gradient
     step      the optimizer on the shards; the next forward gathers the new values
 
+Prefetch (``prefetch=True``, the default; torch's ``forward_prefetch`` and ``backward_prefetch=
+BACKWARD_PRE``). Done as above, every collective would stand on the critical path: a unit
+waits for its all-gather, and the next unit's backward for the last one's reduce-scatter.
+With prefetch, the collectives run on the rank's communication thread (``parlab.background``:
+one at a time, in the order started, the same on every rank), and each unit's pre-hook starts
+the all-gather of the unit that computes next before waiting for its own: in forward the next
+unit in the order the units entered the last forward (module order before the first), in
+backward the next in the reverse of the order they returned from forward. So the next unit's
+parameters arrive while this unit computes. A unit's reduce-scatter runs there too, while the
+next unit's backward computes; its full gradient is freed when it has been waited for: when
+the next unit's reduce-scatter starts, or when backward ends (a callback queued on autograd's
+engine, as torch's FSDP does), so the shards' .grad are complete when ``backward()`` returns.
+``prefetch=False`` runs every collective where it is needed, on the calling thread.
+
 Autograd keeps the views that forward saved; they point into the full buffer's storage, so
 refilling that storage before backward makes them valid again (as torch's FSDP does). The
 root unit is freed after forward too, so every unit makes the same transfers. The trace marks
 each unit's "all-gather" and "reduce-scatter" ("all-reduce" under NO_SHARD) as spans whose
-``stage`` is the unit's index.
+``stage`` is the unit's index (with prefetch, on the communication thread: when they ran).
 
 Memory at rest (after ``step``), fp32 with kappa bytes of optimizer state per parameter: the
 shards, their gradients and the optimizer state, (4 + 4 + kappa) Psi / N_d bytes (ZeRO stage 3;
-plus at most N_d - 1 padding elements per unit). While a unit computes, its full parameters
-(and in backward its full gradient) are added: one unit's, not the model's.
+plus at most N_d - 1 padding elements per unit). While a unit computes, full parameters and
+gradients of a few units are added, never the model's. Without prefetch: the unit's full
+parameters (and in backward its full gradient), one unit at a time. With prefetch, at most
+two units gathered at once: the one computing and the next, prefetched; in backward also two
+units' full gradients: the one being computed and the last unit's, in its reduce-scatter. (A
+unit whose forward encloses the others, such as a root unit holding parameters, stays
+gathered through theirs, with or without prefetch: one more.)
 
 Strategies (S: the ranks a unit is sharded over). Per unit and step, the ring transfers of
 its flat parameter or gradient, each (S - 1)/S x padded numel x element bytes per rank:
@@ -86,7 +106,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from parlab import _checks, p2p, runtime, trace
+from parlab import _checks, background, p2p, runtime, trace
 from parlab.collectives import ring_all_gather, ring_allreduce, ring_reduce_scatter
 from parlab.flat import FlatLayout
 from parlab.memory import measure_model_state
@@ -118,13 +138,18 @@ class FSDP(nn.Module):
     rank (module docstring, "Replicated parameters"). ``group``: the N_d ranks to shard over
     (e.g. ``mesh.group("dp")`` of a ``parlab.Mesh``; default: all ranks); only its members
     build the engine, every collective stays inside it (not with HYBRID_SHARD, which makes
-    its own groups of the world)."""
+    its own groups of the world). ``prefetch`` (default True): gather the next unit while one
+    computes and reduce-scatter in the background (module docstring, "Prefetch"); False: every
+    collective when it is needed."""
 
     def __init__(self, model, optimizer_class=None, strategy="FULL_SHARD", wrap_policy=None, mixed_precision=None,
                  cpu_offload=False, init_fn=None, init_seed=0, shard_group_size=None, replicate=None, group=None,
-                 **opt_kwargs):
+                 prefetch=True, **opt_kwargs):
         super().__init__()
         _checks.module("model", model, "pass the model to shard, built the same on every rank (or on the meta device).")
+        if prefetch not in (True, False):
+            raise ValueError(f"prefetch must be True (gather the next unit while this one computes, reduce-scatter "
+                             f"in the background) or False (every collective when it is needed), got {prefetch!r}.")
         if optimizer_class is not None:
             _checks.optimizer_class(optimizer_class)
         elif opt_kwargs:
@@ -175,13 +200,18 @@ class FSDP(nn.Module):
         first = 0 if group is None else dist.get_global_rank(group, 0)
         for buffer in model.buffers():
             p2p.broadcast(buffer, src=first, group=group)
-        self.mixed_precision = mixed_precision
+        self.mixed_precision, self.prefetch = mixed_precision, prefetch
         self.shards = nn.ParameterList([unit.shard for unit in self.units])
         self.optimizer = None if optimizer_class is None else optimizer_class(list(self.shards), **opt_kwargs)
+        # The unit each unit's forward (backward) is followed by, learned from the last forward: the
+        # order its units entered (the reverse of the order they returned). Until then, module order.
+        self.forward_next = dict(zip(self.units, self.units[1:]))
+        self.backward_next, self.entered, self.returned = {}, None, None  # the last unit to enter, to return
+        self.reductions = []  # ([flat gradient], handle) of the reduce-scatters in flight, oldest first
         for unit in self.units:
             unit.module.register_forward_pre_hook(functools.partial(self._before_forward, unit))
             unit.module.register_forward_hook(functools.partial(self._after_forward, unit))
-            unit.full.register_post_accumulate_grad_hook(unit.reduce_gradient)
+            unit.full.register_post_accumulate_grad_hook(functools.partial(self._gradient_ready, unit))
 
     def extra_repr(self):
         return f"strategy={self.strategy!r}, units={[unit.name or '(root)' for unit in self.units]}"
@@ -189,8 +219,14 @@ class FSDP(nn.Module):
     def forward(self, *args, **kwargs):
         if self.mixed_precision is not None:
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
+        self.entered = self.returned = None  # a new forward: its order is learned afresh
         with trace.span("forward"):
-            return self.module(*args, **kwargs)
+            output = self.module(*args, **kwargs)
+        for unit in self.units:  # prefetched for a forward that did not run it (its order changed)
+            if unit.prefetched is not None:
+                self._gathered(unit)
+                unit.free()
+        return output
 
     def _cast_input(self, value):
         if torch.is_tensor(value) and value.is_floating_point():
@@ -198,33 +234,90 @@ class FSDP(nn.Module):
         return value
 
     def _before_forward(self, unit, module, args):
-        unit.gather()
+        if self.entered is not None:
+            self.forward_next[self.entered] = unit
+        self.entered = unit
+        self._gather(unit, then=self.forward_next.get(unit))
         unit.set_views()
 
     def _after_forward(self, unit, module, args, output):
+        self.backward_next[unit], self.returned = self.returned, unit
         if not torch.is_grad_enabled():
             unit.free()  # no backward will come for it
         elif self.reshard_after_forward:
             unit.free()
             for tensor in tree_leaves(output):
                 if torch.is_tensor(tensor) and tensor.requires_grad:
-                    tensor.register_hook(lambda grad: unit.gather())
+                    tensor.register_hook(lambda grad: self._gather(unit, then=self.backward_next.get(unit)))
+
+    def _gather(self, unit, then=None):
+        """Make ``unit`` gathered before it computes. With ``prefetch``: start its all-gather on
+        the communication thread (unless prefetched already), start the all-gather of ``then``,
+        the unit that computes next, and wait for the first only; ``then`` gathers while ``unit``
+        computes. Without: all-gather ``unit`` now, here."""
+        if not self.prefetch:
+            unit.gather()
+            return
+        if unit.prefetched is None and not unit.gathered:
+            unit.prefetched = background.start(unit.gather)
+        if then is not None and then.prefetched is None and not then.gathered:
+            then.prefetched = background.start(then.gather)
+        self._gathered(unit)
+
+    def _gathered(self, unit):
+        if unit.prefetched is not None:
+            unit.prefetched.wait()
+            unit.prefetched = None
+
+    def _gradient_ready(self, unit, full):
+        """Post-accumulate-grad hook of the unit's full buffer: its flat gradient is complete
+        (inside ``no_sync``, kept for the next backward). Free the full parameters and
+        reduce-scatter the gradient (``FlatUnit.reduce_gradient``): with ``prefetch`` on the
+        communication thread, while the next unit's backward computes, waiting for the
+        previous unit's reduce-scatter meanwhile (its full gradient is freed then)."""
+        if not unit.sync_gradients:
+            unit.free()
+            return
+        flat_gradient, full.grad = [full.grad], None
+        unit.free()
+        if not self.prefetch:
+            unit.reduce_gradient(flat_gradient.pop())
+            return
+        if not self.reductions:  # the first of this backward: wait for them all when it ends, as torch's FSDP
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
+        self.reductions.append((flat_gradient, background.start(_reduce, unit, flat_gradient)))
+        self._wait_for_reductions(keep=1)
+
+    def _wait_for_reductions(self, keep=0):
+        """Wait for the reduce-scatters in flight, oldest first, until ``keep`` are left."""
+        while len(self.reductions) > keep:
+            flat_gradient, handle = self.reductions.pop(0)
+            handle.wait()
+            flat_gradient.clear()  # freed here, when waited for: until then it is alive
 
     def finish_gradient_synchronization(self):
-        """DDP's and ZeroDP's call after backward, before the optimizer step. Here nothing is
-        left to do: each unit reduce-scattered its gradient during backward, as soon as it was
-        complete (inside ``no_sync`` no unit reduces, and the next backward outside does)."""
+        """DDP's and ZeroDP's call after backward, before the optimizer step: wait for the
+        reduce-scatters still in flight (each unit's was started during backward, as soon as
+        its gradient was complete; inside ``no_sync`` no unit reduces, and the next backward
+        outside does). Afterwards every shard's ``.grad`` holds its averaged gradient."""
+        self._wait_for_reductions()
+        for unit in self.units:  # prefetched for a backward that did not run it
+            if unit.prefetched is not None:
+                self._gathered(unit)
+                unit.free()
 
     def step(self):
-        """The optimizer step on this rank's shards (their gradients are reduced already:
-        during backward)."""
+        """The optimizer step on this rank's shards (their gradients were reduced during
+        backward: ``finish_gradient_synchronization`` waits for the last of them first)."""
         if self.optimizer is None:
             raise ValueError("this FSDP was built without an optimizer (optimizer_class=None): call step() on the "
                              "optimizer you built over engine.parameters().")
+        self.finish_gradient_synchronization()
         with trace.span("optimizer"):
             self.optimizer.step()
 
     def zero_grad(self):
+        self.finish_gradient_synchronization()  # no reduce-scatter may add to a gradient dropped here
         for shard in self.shards:
             shard.grad = None
 
@@ -245,6 +338,7 @@ class FSDP(nn.Module):
         """Destroy the process groups this engine made (HYBRID_SHARD's shard and replicate
         groups; the other strategies use the default group and make none). Safe to call
         twice; the engine cannot take another step after it."""
+        self.finish_gradient_synchronization()
         for group in self.process_groups:
             dist.destroy_process_group(group)
         self.process_groups = []
@@ -263,6 +357,7 @@ class FSDP(nn.Module):
 
     def full_parameters(self):
         """{name: full fp32 parameter} (the master values), gathered on every rank."""
+        self.finish_gradient_synchronization()  # its all-gathers run here: none may be in flight meanwhile
         return {name: view.clone() for unit in self.units
                 for name, view in zip(unit.names, unit.layout.views(unit.gather_full(unit.shard.detach())))}
 
@@ -270,6 +365,7 @@ class FSDP(nn.Module):
     def full_gradients(self):
         """{name: averaged gradient} of every parameter, gathered on every rank after backward
         (the shards' gradients, as ``full_parameters`` gathers the shards)."""
+        self.finish_gradient_synchronization()
         if any(unit.shard.grad is None for unit in self.units):
             raise ValueError("full_gradients() needs this step's gradients: run forward and backward through the "
                              "engine first (outside no_sync), before zero_grad().")
@@ -292,6 +388,7 @@ class FlatUnit:
         everyone = self.replicate_group if S == 1 else self.shard_group if self.replicas == 1 else None
         self.rank = dist.get_rank(self.shard_group) % S  # the place in the shard group
         self.sync_gradients = True  # False inside FSDP.no_sync
+        self.prefetched = None  # the handle of its all-gather started ahead on the communication thread
         flat = self.layout.flatten([p.detach() for p in plan.parameters], torch.float32, device)
         first = 0 if everyone is None else dist.get_global_rank(everyone, 0)
         p2p.broadcast(flat, src=first, group=everyone)  # the replicas start from the first rank's values
@@ -335,26 +432,20 @@ class FlatUnit:
         if self.layout.world_size > 1:
             self.full.untyped_storage().resize_(0)
 
-    def reduce_gradient(self, full):
-        """Post-accumulate-grad hook of ``full``: average the flat gradient over the N_d ranks
-        (reduce-scatter within the shard group, then all-reduce across the replicate group),
-        add this rank's part to the shard's .grad, free the full buffer and its gradient. Inside
-        ``no_sync``: free the full buffer only; its gradient stays for the next backward to add to."""
-        if not self.sync_gradients:
-            self.free()
-            return
+    def reduce_gradient(self, flat_gradient):
+        """Average the unit's flat gradient over the N_d ranks (reduce-scatter within the shard
+        group, then all-reduce across the replicate group) and add this rank's part to the
+        shard's .grad (the engine calls it when the gradient is complete, and frees it after)."""
         S = self.layout.world_size
         with trace.span("reduce-scatter" if S > 1 else "all-reduce", stage=self.index), torch.no_grad():
             if S > 1:
-                ring_reduce_scatter(full.grad, op="avg", check=False, group=self.shard_group)
-            mine = self.layout.shard(full.grad, self.rank)
+                ring_reduce_scatter(flat_gradient, op="avg", check=False, group=self.shard_group)
+            mine = self.layout.shard(flat_gradient, self.rank)
             if self.replicas > 1:
                 ring_allreduce(mine, op="avg", check=False, group=self.replicate_group)
             # a copy unless it is the whole buffer: a view would keep the full gradient alive
             mine = mine.to(self.shard.device, self.shard.dtype, copy=S > 1)
             self.shard.grad = mine if self.shard.grad is None else self.shard.grad.add_(mine)
-        full.grad = None
-        self.free()
 
     def shard_of(self, tensors):
         """The unit's full tensors (its parameters, or one optimizer state of each) -> this
@@ -370,6 +461,10 @@ class FlatUnit:
         if self.layout.world_size > 1:
             ring_all_gather(flat, check=False, group=self.shard_group)
         return flat
+
+
+def _reduce(unit, flat_gradient):  # on the communication thread
+    unit.reduce_gradient(flat_gradient[0])
 
 
 def _split_replicated(plans, replicate):

@@ -7,8 +7,9 @@ gradient; kappa bytes of optimizer state per parameter, kappa = 8 for Adam, 4 fo
 the ZeRO paper writes K for kappa):
 
     stage  ZeroDP(..., stage=s)   sharded           bytes per rank                    traffic per rank and step
-    0      baseline DDP           nothing           4 Psi + 4 Psi + kappa Psi         all-reduce of the gradients:
-                                                                                      RS + AG of 4 Psi bytes
+    0      baseline DDP           nothing           4 Psi + 4 Psi + kappa Psi         all-reduce of the gradients
+                                                                                      (RS + AG of 4 Psi bytes),
+                                                                                      in buckets during backward
     1      P_os                   optimizer state   4 Psi + 4 Psi + kappa Psi / N_d   RS of the gradients
                                                                                       + AG of the parameters
     2      P_os+g                 + gradients       4 Psi + (4 + kappa) Psi / N_d     the same
@@ -25,37 +26,52 @@ parameters too and pays a third collective: ``parlab.zero.FSDP``.)
 
 How the bytes stay equal to the formula. The trainable parameters live in one flat fp32
 buffer (``parlab.flat.FlatLayout``, padded to a multiple of N_d): every module
-parameter is a view into it, so the all-gather writes straight into the model. The inner
-optimizer (the given torch class) sees ONE Parameter, ``shard``: at stage 0 the whole flat
-buffer, at stages 1 and 2 the view of this rank's shard of it (rank r: shard r). Being a
-view, the shard adds no parameter bytes (no fp32 master copy is needed: in fp32 the
-parameters are the master parameters) and the optimizer's step writes the new values in
-place, ready to be gathered; the optimizer allocates its state for the shard only,
-kappa Psi / N_d. Since Adam, AdamW and SGD with momentum act elementwise, stepping the shard
-equals stepping the full parameters.
+parameter is a view into it, so the all-gather writes straight into the model. At stages 1
+and 2 the inner optimizer (the given torch class) sees ONE Parameter, ``shard``, the view of
+this rank's shard of the flat buffer (rank r: shard r). Being a view, the shard adds no
+parameter bytes (no fp32 master copy is needed: in fp32 the parameters are the master
+parameters) and the optimizer's step writes the new values in place, ready to be gathered;
+the optimizer allocates its state for the shard only, kappa Psi / N_d. Since Adam, AdamW and
+SGD with momentum act elementwise, stepping the shard equals stepping the full parameters.
+Stage 0 has nothing to shard: its optimizer steps the model's own parameters (views of the
+flat buffer), as DDP + ``optimizer_class(model.parameters())`` does, kappa Psi bytes of state
+and a step count per parameter. (Over one flat tensor of padded Psi elements, Adam would
+allocate temporaries of that size at every step; on a CPU their page faults and cache misses
+made stage 0's optimizer step 1.5 to 2 times torch's. ``shard`` is then the whole flat buffer, for an
+optimizer of your own.)
 
 Gradients. Stages 0 and 1 keep one flat gradient buffer (4 Psi) whose views are the module
-gradients, so backward accumulates straight into it; one RS after backward leaves the average
-in the own shard (the other shards hold partial sums, unused). Stage 2 never holds the full
-gradient: as DeepSpeed's ZeRO-2, it reduce-scatters the gradients during backward, bucket by
-bucket (``parlab.zero.buckets``: up to ``bucket_cap_mb`` each, in the order backward produces
-them), adds its averaged part of each into the shard's gradient (4 Psi / N_d) and frees the
-bucket. The same additions in the same order as stage 1's RS: the result is bit for bit equal,
-and the bytes sent are the same, in more messages.
+gradients, so backward accumulates straight into it. Stage 0 all-reduces it during backward,
+as ``parlab.ddp.DDP("bucketed")`` does: cut into buckets of up to ``bucket_cap_mb`` in the
+order backward produces them (``parlab.zero.buckets.AllReduceBuckets``), each bucket's range
+is ring all-reduced (averaged) in place on the rank's communication thread
+(``parlab.background``) as soon as backward has produced its gradients, while backward
+computes the next ones; ``finish_gradient_synchronization`` waits for them. Each range holds a
+multiple of N_d elements, so the bytes are exactly one ring all-reduce of padded Psi. Stage 1
+reduce-scatters the flat gradient once after backward, which leaves the average in the own
+shard (the other shards hold partial sums, unused). Stage 2 never holds the full
+gradient: as DeepSpeed's ZeRO-2 with ``overlap_comm``, it reduce-scatters the gradients during
+backward, bucket by bucket (``parlab.zero.buckets.GradientBuckets``: up to ``bucket_cap_mb``
+each, in the order backward produces them), each launched on the communication thread as soon
+as its bucket is full; the thread adds this rank's averaged part into the shard's gradient
+(4 Psi / N_d), and the bucket is freed when it has been waited for: when the next bucket is
+launched (one bucket in flight while the next one fills), or in
+``finish_gradient_synchronization``. The same additions in the same order as stage 1's RS:
+the result is bit for bit equal, and the bytes sent are the same, in more messages.
 
 Peak gradient memory, measured: ``engine.peak_gradient_bytes`` is the largest
 ``gradient_bytes()`` seen since the last ``zero_grad`` (read at every gradient's arrival and
 before the optimizer step): the storages of the gradient tensors alive (flat buffer, module
 gradients, stage 2's bucket buffers and shard gradient; a view counts its storage once). Not
 counted: autograd's temporaries and the collectives' receive buffers. Stages 0, 1: 4 padded Psi
-bytes. Stage 2: 4 padded Psi / N_d + the largest (bucket buffer + one gradient) alive at
-once (``engine.buckets.peak_bytes()``, the formula of ``parlab.zero.formulas``), below stage
-1's when a bucket and a gradient together stay under (N_d - 1)/N_d of the model, e.g. a
-bucket per layer of a model of several layers. With one bucket for the whole model (a model
-under 25 MiB at the default cap) stage 2's peak is above stage 1's: the bucket's buffer is a
-whole flat gradient, with each gradient beside it while it is added in, and the shard's
-gradient allocated beside it in its reduce-scatter. Its saving is then only the 4 padded Psi
-(N_d - 1)/N_d bytes it does not keep between steps.
+bytes. Stage 2: 4 padded Psi / N_d + the largest (bucket in flight + bucket buffer + one
+gradient) alive at once (``engine.buckets.peak_bytes()``, the formula of
+``parlab.zero.formulas``), below stage 1's when two buckets and a gradient together stay under
+(N_d - 1)/N_d of the model, e.g. a bucket per layer of a model of several layers. With one
+bucket for the whole model (a model under 25 MiB at the default cap) stage 2's peak is above
+stage 1's: the bucket's buffer is a whole flat gradient, with each gradient beside it while it
+is added in, and the shard's gradient allocated beside it at its launch. Its saving is then
+only the 4 padded Psi (N_d - 1)/N_d bytes it does not keep between steps.
 
 Offload (ZeRO-Offload; ``offload=True``, stages 1 and 2). The optimizer's shard is a host (CPU)
 copy of this rank's fp32 parameter shard and the optimizer keeps its state there: kappa Psi / N_d
@@ -81,7 +97,7 @@ import torch
 from parlab import _checks, collectives, p2p, trace
 from parlab.flat import FlatLayout
 from parlab.memory import measure_model_state
-from parlab.zero.buckets import GradientBuckets
+from parlab.zero.buckets import AllReduceBuckets, GradientBuckets
 
 STAGES = (0, 1, 2)
 
@@ -92,18 +108,19 @@ class ZeroDP(torch.nn.Module):
     all ranks).
 
     ``model``: the same module built on every rank; ``optimizer_class``: a torch optimizer
-    class (not an instance), built over the shard with ``**optimizer_kwargs``. None: the
-    engine builds none; build yours over ``[engine.shard]`` (this rank's shard, a Parameter)
-    and call, each step, ``engine.zero_grad()``, backward,
-    ``engine.finish_gradient_synchronization()`` and your ``optimizer.step()``: the next
-    forward (or ``full_parameters()``) all-gathers the updated shards first. The trainable
-    parameters must share one floating dtype and device. Call the engine like the model,
-    then ``step()`` after ``loss.backward()``, and ``zero_grad()`` on the engine (not on the
-    model: module gradients are views into the engine's flat buffer). ``bucket_cap_mb``
-    (stage 2 only, default 25 MiB): the largest bucket of gradients reduce-scattered together
-    during backward. ``offload=True`` (stages 1, 2; ZeRO-Offload): the optimizer's shard and
-    state live in host memory (section "Offload" above). Wrap a model once: the engine's
-    gradient hooks stay on its parameters (at stage 2 they reduce-scatter). With ``group``,
+    class (not an instance), built over the shard (stage 0: the model's trainable parameters)
+    with ``**optimizer_kwargs``. None: the engine builds none; build yours over
+    ``[engine.shard]`` (this rank's shard, a Parameter) and call, each step,
+    ``engine.zero_grad()``, backward, ``engine.finish_gradient_synchronization()`` and your
+    ``optimizer.step()``: the next forward (or ``full_parameters()``) all-gathers the updated
+    shards first. The trainable parameters must share one floating dtype and device. Call the
+    engine like the model, then ``step()`` after ``loss.backward()``, and ``zero_grad()`` on the
+    engine (not on the model: module gradients are views into the engine's flat buffer).
+    ``bucket_cap_mb`` (stages 0 and 2, default 25 MiB): the largest bucket of gradients
+    all-reduced (stage 0) or reduce-scattered (stage 2) together during backward.
+    ``offload=True`` (stages 1, 2; ZeRO-Offload): the optimizer's shard and state live in host
+    memory (section "Offload" above). Wrap a model once: the engine's gradient hooks stay on
+    its parameters (at stages 0 and 2 they launch the buckets' collectives). With ``group``,
     only its members construct and call the engine; every collective (the first broadcast,
     reduce-scatters, all-gathers) stays inside it, rank r being the place in the group.
     """
@@ -122,9 +139,9 @@ class ZeroDP(torch.nn.Module):
         elif optimizer_kwargs:
             raise ValueError(f"optimizer options {sorted(optimizer_kwargs)} need an optimizer_class: pass one, or "
                              "drop them and give them to the optimizer you build over [engine.shard].")
-        if bucket_cap_mb is not None and stage != 2:
-            raise ValueError(f"bucket_cap_mb is for stage 2, which reduce-scatters its gradients in buckets during "
-                             f"backward; stage {stage} reduce-scatters the whole flat gradient after it: drop it.")
+        if bucket_cap_mb is not None and stage == 1:
+            raise ValueError("bucket_cap_mb is for stages 0 and 2, which reduce their gradients in buckets during "
+                             "backward; stage 1 reduce-scatters the whole flat gradient after it: drop it.")
         if offload not in (True, False) or (offload and stage == 0):
             raise ValueError(f"offload=True moves this rank's shard of the optimizer state to the host: it needs "
                              f"stage 1 or 2 (got stage={stage}, offload={offload!r}); pass True or False.")
@@ -155,7 +172,10 @@ class ZeroDP(torch.nn.Module):
         # engine.parameters() are the model's, the shard is the optimizer's handle on them.
         object.__setattr__(self, "shard", torch.nn.Parameter(mine))
         self.offload_bytes = {}  # bytes each copy of the last step moved between device and host
-        self.optimizer = None if optimizer_class is None else optimizer_class([self.shard], **optimizer_kwargs)
+        # Stage 0 steps the model's own parameters (views of the flat buffer), as DDP + an optimizer over
+        # model.parameters() does: over one flat tensor, Adam would make Psi-sized temporaries every step.
+        stepped = self.trainable if stage == 0 else [self.shard]
+        self.optimizer = None if optimizer_class is None else optimizer_class(stepped, **optimizer_kwargs)
         self.gather_pending = False  # the caller's optimizer may have stepped the shard: gather before use
         self.flat_grad, self.buckets, self.peak_gradient_bytes = None, None, 0
         self.synchronized = False  # finish_gradient_synchronization ran since the last step or zero_grad
@@ -165,6 +185,8 @@ class ZeroDP(torch.nn.Module):
             self._attach_gradient_buffer()
             for p in self.trainable:
                 p.register_post_accumulate_grad_hook(lambda p: self._measure_gradients())
+            if stage == 0:
+                self.buckets = AllReduceBuckets(self.trainable, self.layout, self.flat_grad, bucket_cap_mb, group)
 
     def extra_repr(self):
         return f"stage={self.stage}, {self.layout}"
@@ -172,16 +194,19 @@ class ZeroDP(torch.nn.Module):
     def forward(self, *args, **kwargs):
         if self.gather_pending:
             self._share_parameters()
+        if self.stage == 0:
+            self.buckets.wait()  # a second backward (accumulation) writes where the first's all-reduces may be
         with trace.span("forward"):
             return self.module(*args, **kwargs)
 
     def step(self):
         """Average the gradients over the N_d ranks, step this rank's shard, share the result.
 
-        Stage 0: RS + AG of the gradients (a ring all-reduce), then the optimizer steps the
-        full parameters on every rank. Stage 1: RS of the gradients, the optimizer steps this
-        rank's shard, AG of the parameters. Stage 2: its buckets were reduce-scattered during
-        backward (any left, with a gradient missing, now); then as stage 1. With ``offload``,
+        Stage 0: wait for the all-reduces of the gradients, launched bucket by bucket during
+        backward, then the optimizer steps the full parameters on every rank. Stage 1: RS of
+        the gradients, the optimizer steps this rank's shard, AG of the parameters. Stage 2:
+        wait for its buckets' reduce-scatters, launched during backward (any left, with a
+        gradient missing, now); then as stage 1. With ``offload``,
         the averaged gradient shard goes to the host before the optimizer step and the updated
         parameter shard comes back before the all-gather. The averaging is
         ``finish_gradient_synchronization`` (unless called already since the backward).
@@ -217,14 +242,15 @@ class ZeroDP(torch.nn.Module):
                 raise ValueError("step() needs this step's gradients: run forward through the engine and "
                                  "backward first.")
             averaged = self.buckets.gradient
-        else:
+        elif self.stage == 1:
             self._check_gradients()
             with trace.span("reduce-scatter gradients"):
                 collectives.ring_reduce_scatter(self.flat_grad, op="avg", check=False, group=self.group)
                 averaged = self.layout.shard(self.flat_grad, self.rank)
         if self.stage == 0:
-            with trace.span("all-gather gradients"):
-                self.shard.grad = collectives.ring_all_gather(self.flat_grad, check=False, group=self.group)
+            self._check_gradients()
+            self.buckets.finish()  # its "all-reduce gradients" spans are the communication thread's
+            self.shard.grad = self.flat_grad
         elif self.offload:
             with trace.span("gradients to host"):
                 self.shard.grad = averaged.to("cpu", copy=True)
@@ -244,6 +270,8 @@ class ZeroDP(torch.nn.Module):
             self.shard.grad = None
             self.buckets.discard()
         else:
+            if self.stage == 0:
+                self.buckets.discard()  # no all-reduce may write into the buffer once it is zeroed
             self.flat_grad.zero_()
         self.peak_gradient_bytes, self.synchronized = 0, False
         self._measure_gradients()
