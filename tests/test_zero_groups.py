@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parlab.ddp import DDP
 from parlab.zero import FSDP, ZeroDP, checkpoint
 
 GROUPS, STEPS, LR = ([0, 1], [2, 3]), 3, 2.0**-6
@@ -90,7 +91,9 @@ def test_the_engines_on_a_subgroup_train_each_group_like_one_process(cluster4, c
 def not_a_member(kind):
     group = dist.new_group([0, 1])
     try:
-        if dist.get_rank() >= 2:
+        if dist.get_rank() >= 2 and kind is DDP:
+            DDP(integer_model(), group=group)
+        elif dist.get_rank() >= 2:
             kind(integer_model(), torch.optim.SGD, lr=LR, group=group)
     except ValueError as error:
         return str(error)
@@ -99,7 +102,7 @@ def not_a_member(kind):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("kind", [ZeroDP, FSDP])
+@pytest.mark.parametrize("kind", [DDP, ZeroDP, FSDP])
 def test_a_rank_outside_the_group_is_told(cluster4, kind):
     messages = cluster4.run(not_a_member, kind, timeout=60)
     assert messages[:2] == [None, None]
