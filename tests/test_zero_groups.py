@@ -89,6 +89,8 @@ def test_the_engines_on_a_subgroup_train_each_group_like_one_process(cluster4, c
 
 
 def not_a_member(kind):
+    # Not destroyed after: the group lives as long as the session's cluster (a group made right
+    # after one of the same ranks was destroyed once failed gloo's connection under load in CI).
     group = dist.new_group([0, 1])
     try:
         if dist.get_rank() >= 2 and kind is DDP:
@@ -97,8 +99,6 @@ def not_a_member(kind):
             kind(integer_model(), torch.optim.SGD, lr=LR, group=group)
     except ValueError as error:
         return str(error)
-    finally:
-        dist.destroy_process_group(group)
 
 
 @pytest.mark.timeout(60)
