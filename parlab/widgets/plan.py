@@ -74,7 +74,7 @@ def plan_widget(model="70B", B=1536, nodes=64, memory_gib=80, n=8):
     """``plot_plans`` and ``format_table`` of the ``n`` fastest plans with controls: the model
     (small GPT, 7B, 70B), the global batch B, nodes of 1 to 8 GPUs, each GPU's memory, and
     the intra- and inter-node bandwidths. Under them, for the small GPT only, a plan of
-    ``parlab.plan.measure``'s (the GPT of lecture 07 on 4 ranks with an emulated link and
+    ``parlab.plan.measure``'s (the GPT of lecture 07 on 4 or 8 ranks with an emulated link and
     declared compute) and "run this plan": ``run_plan`` trains it for two steps and the
     widget shows ``format_measured`` of the run, measured beside predicted. Displays a static
     picture of the first state (kept by a saved notebook) and returns an ipywidgets VBox;
@@ -101,7 +101,7 @@ def plan_widget(model="70B", B=1536, nodes=64, memory_gib=80, n=8):
     image, table, feedback = widgets.Image(format="png"), widgets.HTML(), Feedback()
     runnable = sorted(measure.predicted_plans(), key=lambda p: p.time.total)  # fastest predicted first
     to_run = widgets.Dropdown(options=[(plan_label(p, long=True), i) for i, p in enumerate(runnable)],
-                              description="plan on 4 emulated ranks", style=FIT)
+                              description="plan on emulated ranks", style=FIT)
     measured = widgets.HTML()
 
     def redraw(_=None):
@@ -116,18 +116,18 @@ def plan_widget(model="70B", B=1536, nodes=64, memory_gib=80, n=8):
     def offer(_=None):
         to_run.disabled = run.disabled = chosen.value != RUNS
         if run.disabled:
-            measured.value = html.escape(f"Only the {RUNS} runs here (on 4 emulated ranks of this machine): the "
+            measured.value = html.escape(f"Only the {RUNS} runs here (on 4 or 8 emulated ranks of this machine): the "
                                          f"{chosen.value} would need a real cluster. Pick the {RUNS} to run a plan.")
             return
         plan = runnable[to_run.value]
         measured.value = html.escape(f"{plan_label(plan, long=True)}: the planner predicts {plan.time.total:.3g} s per "
-                                     f"step; \"run this plan\" starts 4 ranks and measures it.")
+                                     f"step; \"run this plan\" starts {_ranks(plan)} ranks and measures it.")
 
     def run_selected(_=None):
         if chosen.value != RUNS:
             raise ValueError(f"only the {RUNS} runs on this machine, not the {chosen.value}: pick the {RUNS}.")
         plan = runnable[to_run.value]
-        feedback.say(f"running {plan_label(plan, long=True)} on 4 emulated ranks...")
+        feedback.say(f"running {plan_label(plan, long=True)} on {_ranks(plan)} emulated ranks...")
         result = measure.run_plan(plan, steps=1)  # one warm-up step and one measured: the emulated time barely varies
         measured.value = f"<pre>{html.escape(format_measured([result]))}</pre>"
         feedback.say(f"ran {plan_label(plan, long=True)}: its step took {result.time_ratio:.2f} x the prediction.")
@@ -180,3 +180,7 @@ def format_measured(rows):
                      f"{r.time_ratio:5.2f}  {r.predicted_memory.states.total:16,.0f} {r.state_bytes:15,} "
                      f"{r.state_ratio:5.2f}")
     return "\n".join(lines)
+
+
+def _ranks(plan):
+    return plan.N_d * plan.t * plan.K
