@@ -1,4 +1,4 @@
-# Generated from solutions/async_sgd.py by `python -m parlab.exercises build`.
+# Generated from solutions/async_sgd.py by `python -m parlab.course.exercises build`.
 # Write your code where it raises NotImplementedError, then run `parlab grade async_sgd`.
 # parlab-generated sha256=ae8bf661ffdf3833d2f2e4629a2ba024819e924ffb7aa53c244cfa5e38a737cc
 """Exercise: gossip on a ring, a parameter-server worker that records staleness, and backup

@@ -1,4 +1,4 @@
-# Generated from solutions/collectives.py by `python -m parlab.exercises build`.
+# Generated from solutions/collectives.py by `python -m parlab.course.exercises build`.
 # Write your code where it raises NotImplementedError, then run `parlab grade collectives`.
 # parlab-generated sha256=e6e359899d484900001a53d7ddc258758f4a8792a3e3ee20510548fe8f95479f
 """Exercise: ring all-reduce, built from a ring reduce-scatter and a ring all-gather.

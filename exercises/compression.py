@@ -1,4 +1,4 @@
-# Generated from solutions/compression.py by `python -m parlab.exercises build`.
+# Generated from solutions/compression.py by `python -m parlab.course.exercises build`.
 # Write your code where it raises NotImplementedError, then run `parlab grade compression`.
 # parlab-generated sha256=2c1e5c93125126a160d67a78b55f28dc86320244f428ed54f8cc8d265eafcde1
 """Exercise: gradient compression, the three ideas of lecture 05.

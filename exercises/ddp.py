@@ -1,4 +1,4 @@
-# Generated from solutions/ddp.py by `python -m parlab.exercises build`.
+# Generated from solutions/ddp.py by `python -m parlab.course.exercises build`.
 # Write your code where it raises NotImplementedError, then run `parlab grade ddp`.
 # parlab-generated sha256=1fa8724e5a6d9206fb4b6f557210d4a792cc82fbe5922b8cdfba39a79e89a132
 """Exercise: bucketed DDP that overlaps communication with backward, like torch's DistributedDataParallel.

@@ -1,4 +1,4 @@
-# Generated from solutions/pipeline.py by `python -m parlab.exercises build`.
+# Generated from solutions/pipeline.py by `python -m parlab.course.exercises build`.
 # Write your code where it raises NotImplementedError, then run `parlab grade pipeline`.
 # parlab-generated sha256=c60e40de3ece10eb8c74b4abc47c750bbb35cc0960280d590671eb129c351963
 """Exercise: the 1F1B pipeline schedule, and the work one stage does for each action.

@@ -1,4 +1,4 @@
-# Generated from solutions/planner.py by `python -m parlab.exercises build`.
+# Generated from solutions/planner.py by `python -m parlab.course.exercises build`.
 # Write your code where it raises NotImplementedError, then run `parlab grade planner`.
 # parlab-generated sha256=e6155191319b93ca7efe9065fd12a01ecae00de14714e560334c0ad93b4a9b54
 """Exercise: the memory one GPU of a plan holds, and a script ready for torchrun.

@@ -1,4 +1,4 @@
-# Generated from solutions/tensor_parallel.py by `python -m parlab.exercises build`.
+# Generated from solutions/tensor_parallel.py by `python -m parlab.course.exercises build`.
 # Write your code where it raises NotImplementedError, then run `parlab grade tensor_parallel`.
 # parlab-generated sha256=ec41eb15d810622103727aa38c1c2a296ae5499026353cc4a89a7ba209d31b99
 """Exercise: Megatron's column- and row-parallel linear layers with the operators f and g,

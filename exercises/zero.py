@@ -1,4 +1,4 @@
-# Generated from solutions/zero.py by `python -m parlab.exercises build`.
+# Generated from solutions/zero.py by `python -m parlab.course.exercises build`.
 # Write your code where it raises NotImplementedError, then run `parlab grade zero`.
 # parlab-generated sha256=652cda2d21466fa6ddfd1236d0a8f44e6707b7613ce0c82745015b83ce204dd8
 """Exercise: ZeRO stages 1 and 2: shard Adam's state, then the gradients, over N_d ranks.

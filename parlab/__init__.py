@@ -19,7 +19,7 @@ __all__ = ["Cluster", "Devices", "Link", "Mesh", "Nodes", "RankError", "RankTime
            "hint", "launch", "show"]
 
 # The plumbing of the `parlab` command and of pytest; every other module is for learners.
-_PLUMBING = {"__main__", "cli", "grading_plugin"}
+_PLUMBING = {"__main__", "cli"}
 
 
 @functools.cache
@@ -37,15 +37,15 @@ def __getattr__(name):
     if name in _submodules():
         return importlib.import_module(f"parlab.{name}")
     if name == "check":
-        from parlab.grade import check
+        from parlab.course.grade import check
 
         return check
     if name == "hint":
-        from parlab.exercises import hint
+        from parlab.course.exercises import hint
 
         return hint
     if name == "show":
-        from parlab.source import show
+        from parlab.course.source import show
 
         return show
     raise AttributeError(f"module 'parlab' has no attribute {name!r}")

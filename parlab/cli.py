@@ -5,12 +5,12 @@
     parlab bench NAME [--json] ...             measure on this machine; NAME is one of BENCHES
     parlab doctor [--gpu]                      is this machine ready for the lectures (and its GPU)?
 
-``python -m parlab`` is the same command. Grading's commands live in ``parlab.grade.command``.
+``python -m parlab`` is the same command. Grading's commands live in ``parlab.course.grade.command``.
 """
 
 import argparse
 
-from parlab import doctor
+from parlab.course import doctor
 from parlab.bench import (
     async_sgd,
     collectives,
@@ -24,7 +24,7 @@ from parlab.bench import (
     to_json,
     zero,
 )
-from parlab.grade import command as grading
+from parlab.course.grade import command as grading
 
 # A bench is a module of parlab.bench (see its docstring for what the module provides);
 # registering it here is all the command line needs.

@@ -11,7 +11,7 @@ import parlab
 # The graded exercises' options (--impl, --grade-task, --grade-report), marks (task, points)
 # and the impl fixture. pytest takes command-line options only from plugins and the root
 # conftest, so the plugin is loaded here rather than in tests/grading/conftest.py.
-pytest_plugins = ["parlab.grading_plugin"]
+pytest_plugins = ["parlab.course.grading_plugin"]
 
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have chosen the items

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from parlab import exercises, grade
+from parlab.course import exercises, grade
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -18,7 +18,7 @@ from parlab.bench.ddp_steps import (
     time_single_process_step,
 )
 from parlab.ddp import trainable_parameters
-from parlab.ddp_model import predict_step
+from parlab.ddp import predict_step
 from parlab.runtime.emulation import Link
 
 

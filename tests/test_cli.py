@@ -14,7 +14,8 @@ import torch
 from test_imports import test_one_spelling_for_this_ranks_device as check_one_device_spelling
 
 import parlab
-from parlab import cli, doctor
+from parlab import cli
+from parlab.course import doctor
 from parlab.bench import byte_size, format_bytes, format_table, percentile, positive_int, progress_bar, ratio_header
 from parlab.bench.runtime import REFERENCE, bench_runtime, format_report
 
@@ -65,15 +66,14 @@ def test_every_bench_summary_is_its_docstrings_whole_first_paragraph(capsys):
 def test_learner_facing_text_names_no_internal_issue_numbers():
     # Help, docstrings and report headers said "issue 12's targets": say what the target is.
     package = Path(cli.__file__).parent
-    for path in [*package.glob("bench/*.py"), *package.glob("grade/*.py"), package / "cli.py",
-                 package / "exercises.py", package / "exercise_stubs.py", package / "grading_plugin.py"]:
+    for path in [*package.glob("bench/*.py"), *package.glob("course/**/*.py"), package / "cli.py"]:
         found = re.findall(r".*\b[Ii]ssues? \d+.*", path.read_text())
         assert not found, (path, found)
 
 
 @pytest.mark.timeout(60)
 def test_python_m_parlab_grade_is_parlab_grade():
-    completed = subprocess.run([sys.executable, "-m", "parlab.grade", "--help"], capture_output=True, text=True,
+    completed = subprocess.run([sys.executable, "-m", "parlab.course.grade", "--help"], capture_output=True, text=True,
                                timeout=50)
     assert completed.returncode == 0 and "--submissions DIR" in completed.stdout and "--hint TASK" in completed.stdout
 
@@ -123,7 +123,7 @@ def test_all_reduce_smoke_test_passes():
 
 def test_doctor_spells_this_ranks_device_as_the_techniques_do():
     # doctor keeps `import parlab` (tests replace parlab.launch), but not parlab.device().
-    check_one_device_spelling("parlab.doctor")
+    check_one_device_spelling("parlab.course.doctor")
 
 
 @pytest.mark.timeout(30)

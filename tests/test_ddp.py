@@ -1,4 +1,4 @@
-"""parlab.ddp and parlab.sampler on real ranks: every DDP variant trains a toy model with a
+"""parlab.ddp and parlab.ddp on real ranks: every DDP variant trains a toy model with a
 frozen and a tied parameter exactly like one process on the full batch (and like torch's
 DistributedDataParallel); the number, sizes and order of all-reduces are read from the trace;
 gradient accumulation with no_sync; the sampler gives torch's indices."""
@@ -17,7 +17,7 @@ from parlab import trace
 from parlab.collectives import ring_allreduce
 from parlab.ddp import DDP, MB, VARIANTS, assign_buckets, trainable_parameters
 from parlab.numerics import assert_equivalent, assert_within, backward_in_shards, ring_orders, rounding_band
-from parlab.sampler import DistributedSampler
+from parlab.ddp import DistributedSampler
 
 VOCAB, DIM, BATCH, STEPS, LR = 11, 6, 40, 5, 0.5
 # Trainable parameters in registration order: embedding.weight (tied with output.weight),

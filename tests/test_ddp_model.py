@@ -1,4 +1,4 @@
-"""parlab.ddp_model: the overlap model of a DDP step against hand-computed cases. Every bucket's
+"""parlab.ddp: the overlap model of a DDP step against hand-computed cases. Every bucket's
 all-reduce is a ring over N_d ranks, 2 (N_d - 1) alpha + 2 (N_d - 1)/N_d B beta; no timing."""
 
 import pytest
@@ -7,7 +7,7 @@ from torch import nn
 
 from parlab.alpha_beta import cost_model
 from parlab.ddp import MB, assign_buckets
-from parlab.ddp_model import bucket_overlap, predict_overlap, predict_step
+from parlab.ddp import bucket_overlap, predict_overlap, predict_step
 
 ALPHA, BETA = 1e-3, 1e-6  # 1 ms per message, 1 ms per KB: round numbers to compute by hand
 

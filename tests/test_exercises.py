@@ -23,9 +23,10 @@ import pytest
 from test_runtime import leftovers
 
 import parlab
-from parlab import cli, exercises, grade
-from parlab.grade import command
-from parlab.grading_plugin import failure_reason, load_implementation
+from parlab import cli
+from parlab.course import exercises, grade
+from parlab.course.grade import command
+from parlab.course.grading_plugin import failure_reason, load_implementation
 from parlab.runtime.errors import RankError, RankTimeout
 
 FIXTURES = exercises.ROOT / "tests" / "grading" / "fixtures"
@@ -72,7 +73,7 @@ def check_exercises_as_generated(root):
     is out of date or missing; skip, saying why, when only a learner's edits are to be had."""
     stale = exercises.stale(root=root)
     wrong = {topic: state for topic, state in stale.items() if state[0] != "edited"}
-    assert not wrong, f"run `python -m parlab.exercises build` and commit exercises/: {wrong}"
+    assert not wrong, f"run `python -m parlab.course.exercises build` and commit exercises/: {wrong}"
     if stale:
         pytest.skip("; ".join(where for _, where in stale.values()))
 
@@ -233,7 +234,7 @@ def test_the_terminal_prints_one_level_and_the_command_for_the_next(capsys):
     out = capsys.readouterr().out
     assert out.startswith("collectives.ring_allreduce, hint 2 of 3 (the plan):\n")
     assert out.endswith("Next, a sketch close to the solution: parlab hint collectives.ring_allreduce --level 3\n")
-    # python -m parlab.grade keeps its --hint, a task or a task of the topic named.
+    # python -m parlab.course.grade keeps its --hint, a task or a task of the topic named.
     assert command.main(["collectives", "--hint", "ring_allreduce", "--level", "2"]) == 0
     assert capsys.readouterr().out == out
     assert cli.main(["hint", "collectives.nope"]) == 2
@@ -413,7 +414,7 @@ def test_a_grader_killed_midway_leaves_no_file(tmp_path):
     script = tmp_path / "grade_then_die.py"
     script.write_text(textwrap.dedent(f"""
         import os, signal
-        from parlab import grade
+        from parlab.course import grade
         grade.run_grading("collectives", impl={str(tmp_path)!r}, progress=lambda line: os.kill(os.getpid(), 9))
     """))
     # Its own process group, so that a grading pytest left behind can be stopped with it.

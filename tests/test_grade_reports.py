@@ -8,8 +8,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from parlab import cli
-from parlab.grade import reports
-from parlab.grade.reports import days_late, describe_lateness, find_submissions, late_record, results_json
+from parlab.course.grade import reports
+from parlab.course.grade.reports import days_late, describe_lateness, find_submissions, late_record, results_json
 
 DEADLINE = datetime(2025, 3, 1, 23, 59, tzinfo=timezone.utc)
 RESULTS = [

@@ -21,10 +21,10 @@ def module_name(path):
 MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
 # Below the pictures, the benches and the command line: what a lecture explains.
 TECHNIQUES = [name for name in MODULES if name.split(".")[1:2] and name.split(".")[1] in {
-    "trace", "p2p", "collectives", "flat", "memory", "ddp", "ddp_model", "sampler", "alpha_beta", "pipeline", "zero",
-    "background", "emulated", "mixed_precision", "gpt", "tensor_parallel", "async_sgd", "compression", "slurm", "plan"}]
-ABOVE_TECHNIQUES = ("parlab.viz", "parlab.widgets", "parlab.bench", "parlab.cli", "parlab.doctor", "parlab.grade",
-                    "parlab.exercises", "parlab.grading_plugin", "parlab.train")
+    "trace", "p2p", "collectives", "flat", "memory", "ddp", "alpha_beta", "pipeline", "zero",
+    "background", "emulated", "mixed_precision", "gpt", "tensor_parallel", "async_sgd", "compression", "slurm", "plan",
+    "mesh_training", "numerics"}]
+ABOVE_TECHNIQUES = ("parlab.viz", "parlab.widgets", "parlab.bench", "parlab.cli", "parlab.course", "parlab.train")
 
 
 def imports(name):

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parlab import alpha_beta, collectives, ddp, emulated, flat, memory, processes_vs_threads, sampler, trace, viz
+from parlab import alpha_beta, collectives, ddp, emulated, flat, memory, processes_vs_threads, trace, viz
+from parlab.ddp import sampler
 from parlab.bench import collectives as bench_collectives
 from parlab.bench import ddp as bench_ddp
 from parlab.bench import pipeline as bench_pipeline

@@ -7,7 +7,7 @@ from pathlib import Path
 import matplotlib
 import pytest
 
-from parlab import doctor
+from parlab.course import doctor
 from parlab.trace import COMM
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ import pathlib
 import pytest
 
 from parlab import collectives
-from parlab.source import show, source, stale_listings, stored_listings
+from parlab.course.source import show, source, stale_listings, stored_listings
 
 NOTEBOOKS = sorted((pathlib.Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 

@@ -1,5 +1,5 @@
 """Lecture 02's widgets without a browser: the buckets and overlap they draw (the DDP
-wrapper's own plan, parlab.ddp_model's timing) and the widget answering its slider."""
+wrapper's own plan, parlab.ddp's timing) and the widget answering its slider."""
 
 import matplotlib
 import pytest

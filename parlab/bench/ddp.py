@@ -19,7 +19,7 @@ default one layer's ring all-reduce on the link, where the bucket size matters m
 whose forward half of that. DDP's all-reduce is then parlab's ring on each rank's
 communication thread, which pays the link's time. Measured: naive, flat, overlapped, and
 bucketed at each cap of a sweep (one layer's gradient, two layers', four, ..., all of them),
-each beside the overlap model ``parlab.ddp_model.predict_step`` (the declared link, the
+each beside the overlap model ``parlab.ddp.predict_step`` (the declared link, the
 ring's cost per bucket, and the compute measured on the same ranks without communication):
 ``measured / model`` (the target is within 15%), and the ``saving`` over flat, measured
 and predicted. torch's DDP has no row there: its communication is torch's own, which no
@@ -265,7 +265,7 @@ def format_emulated(result):
         f"emulated: link {link.describe()}; {result['depth']} bias-free Linear layers of {result['width']} x "
         f"{result['width']} ({4 * result['width'] ** 2 / MB:g} MiB of gradient each), each with a declared backward "
         f"and half of it as forward, batch {EMULATED_BATCH} per rank; median of {result['steps']} steps, slowest "
-        f"rank\nmodel = parlab.ddp_model.predict_step: ring all-reduce per bucket, 2 (N - 1) alpha + 2 (N - 1)/N "
+        f"rank\nmodel = parlab.ddp.predict_step: ring all-reduce per bucket, 2 (N - 1) alpha + 2 (N - 1)/N "
         f"B beta, one at a time, overlapping backward; saving = flat's step - this one's\n\n{table}"
     )
 

@@ -9,7 +9,7 @@
 A step is forward + backward + gradient synchronisation + ``optimizer.step()`` (``timed_step``);
 the ranks start each step together (a barrier, not timed) and a step lasts as long as its
 slowest rank. ``time_single_process_step`` gives the compute that
-``parlab.ddp_model.predict_step`` puts beside the communication.
+``parlab.ddp.predict_step`` puts beside the communication.
 """
 
 import statistics
@@ -23,7 +23,7 @@ from parlab import runtime, trace
 from parlab._checks import real_number, whole_number
 from parlab.bench import synchronise
 from parlab.ddp import DDP, VARIANTS, trainable_parameters
-from parlab.ddp_model import predict_step
+from parlab.ddp import predict_step
 from parlab.emulated import SleepLayer
 
 SEED = 0
@@ -63,7 +63,7 @@ def time_single_process_step(build_model, make_batch, loss_fn=nn.functional.mse_
     one warm-up step) of the forward, backward and optimizer seconds, and of each trainable
     parameter's gradient-ready time (seconds after the start of backward, registration
     order, from post-accumulate-grad hooks). Returns a dict with ``forward``, ``backward``,
-    ``optimizer``, ``parameter_ready``: the ``timing`` of ``parlab.ddp_model.predict_step``."""
+    ``optimizer``, ``parameter_ready``: the ``timing`` of ``parlab.ddp.predict_step``."""
     whole_number("repeats", repeats, "time at least one step, e.g. repeats=5.")
     model = build_model()
     inputs, targets = make_batch(dist.get_rank() if dist.is_initialized() else 0)
@@ -129,7 +129,7 @@ def measure_ddp_steps(cluster, build_model, make_batch, configs, steps=5):
 
 
 def predicted_steps(rows, model, timing, N_d, link):
-    """The overlap model's step time (``parlab.ddp_model.predict_step``) for each row of
+    """The overlap model's step time (``parlab.ddp.predict_step``) for each row of
     ``measure_ddp_steps`` (its variant and cap), on N_d ranks joined by ``link`` (a
     ``parlab.Link``: alpha = its latency, beta = 1 / its bandwidth), with ``timing`` from
     ``measure_compute``."""

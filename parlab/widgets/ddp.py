@@ -5,13 +5,13 @@ their communication the backward pass hides.
     bucket_widget(model, N_d, alpha, beta, backward_seconds)     a bucket-cap slider over plot_buckets
     plot_bucket_sweep(rows, model_s, ax=None)                     measured step time per bucket cap, and the model's
 
-The figures draw ``parlab.ddp_model.bucket_overlap``: the buckets of ``parlab.ddp.assign_buckets``,
+The figures draw ``parlab.ddp.bucket_overlap``: the buckets of ``parlab.ddp.assign_buckets``,
 the plan the DDP wrapper uses, and each bucket's ring all-reduce over N_d ranks.
 """
 
 from parlab._checks import real_number
 from parlab.ddp import MB
-from parlab.ddp_model import bucket_overlap
+from parlab.ddp import bucket_overlap
 from parlab.widgets._common import Feedback, import_ipywidgets, log_slider, png, show_static
 
 # A cluster network, as in lecture 01: alpha = 10 µs per message, 1/beta = 25 GB/s, 8 ranks.
@@ -108,7 +108,7 @@ def plot_bucket_sweep(rows, model_s, ax=None, label="measured"):
         _, ax = plt.subplots(figsize=(8, 3.6), layout="constrained")
     caps = [row["bucket_cap_mb"] for row in rows]
     ax.plot(caps, [row["median_s"] * 1e3 for row in rows], "o-", label=label)
-    ax.plot(caps, [t * 1e3 for t in model_s], "k--", label="model: parlab.ddp_model.predict_step")
+    ax.plot(caps, [t * 1e3 for t in model_s], "k--", label="model: parlab.ddp.predict_step")
     for row in rows:
         ax.annotate(str(row["buckets"]), (row["bucket_cap_mb"], row["median_s"] * 1e3), textcoords="offset points",
                     xytext=(0, 6), ha="center", fontsize=7)

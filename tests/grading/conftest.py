@@ -1,5 +1,5 @@
 """Grading tests: ``test_<topic>.py`` grades ``<--impl DIR>/<topic>.py`` (see
-``parlab.grading_plugin``): one class per task, marked ``task``, each test marked ``points``.
+``parlab.course.grading_plugin``): one class per task, marked ``task``, each test marked ``points``.
 
 Clusters: ``cluster2`` and ``cluster4`` come from tests/conftest.py; ``cluster3`` is started
 here, once per session. Parametrize the ``cluster`` fixture indirectly with a world size to

@@ -1,12 +1,12 @@
 """Exercise files: the learner's ``exercises/<topic>.py``, generated from ``solutions/<topic>.py``,
 and the hints a learner opens on purpose.
 
-    python -m parlab.exercises build [TOPIC ...] [--force]   write the exercise files
-    python -m parlab.exercises check [TOPIC ...]             exit 1 if any is out of date
+    python -m parlab.course.exercises build [TOPIC ...] [--force]   write the exercise files
+    python -m parlab.course.exercises check [TOPIC ...]             exit 1 if any is out of date
     hint("collectives.ring_reduce_scatter")                  the next hint for a task
 
 How a solution's marked blocks become stubs, and the header that tells a learner's edits from
-an older generation: ``parlab.exercise_stubs``.
+an older generation: ``parlab.course.exercise_stubs``.
 
 Hints. The step-by-step help lives in the solution too, in one block that the exercise
 leaves out, at the top level of the file:
@@ -37,13 +37,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from parlab.exercise_stubs import BEGIN_HINTS, END_HINTS, generate, was_edited
+from parlab.course.exercise_stubs import BEGIN_HINTS, END_HINTS, generate, was_edited
 
 __all__ = ["HINT_LEVELS", "ROOT", "build", "fresh", "generate", "generated_status", "hint", "hint_tasks", "hint_text",
            "hints", "main", "refuse_name", "stale", "status", "topics", "was_edited"]
 
 # The repository: parlab is installed from it in editable mode (pip install -e .).
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HINT_LEVELS = ("a nudge", "the plan", "a sketch close to the solution")
 
 
@@ -191,7 +191,7 @@ def _hint_levels(task, root):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m parlab.exercises", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m parlab.course.exercises", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=("build", "check"))
     parser.add_argument("topics", nargs="*", help="topics to build or check (default: all)")
     parser.add_argument("--force", action="store_true", help="overwrite exercise files you edited")
@@ -211,7 +211,7 @@ def main(argv=None):
             print(f"{where}: nothing to check (`build --force {topic}` would overwrite the edits).")
         else:
             failed = True
-            print(f"{where} is {state}: run `python -m parlab.exercises build {topic}` and commit it.")
+            print(f"{where} is {state}: run `python -m parlab.course.exercises build {topic}` and commit it.")
     return 1 if failed else 0
 
 

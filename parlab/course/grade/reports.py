@@ -46,7 +46,7 @@ import time
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from parlab.grade import (
+from parlab.course.grade import (
     ROOT,
     TERMINAL_HINT,
     check_name,

@@ -1,5 +1,5 @@
 """``parlab grade`` and ``parlab hint``, the grading commands (``parlab.cli`` registers them;
-``python -m parlab.grade`` is ``parlab grade``, and keeps ``--hint TASK`` for ``parlab hint``).
+``python -m parlab.course.grade`` is ``parlab grade``, and keeps ``--hint TASK`` for ``parlab hint``).
 
     parlab grade [TOPIC[.TASK]] [--impl DIR]   grade exercises/<topic>.py (every topic when none is named)
     parlab grade TOPIC --json                  the same as JSON on stdout, progress and table on stderr
@@ -11,7 +11,7 @@
 Exit codes: 0 with full marks (for a class: when every student was graded), 1 with points
 missing, 2 when nothing could be graded (a misspelt name, a missing folder, a run that did
 not finish), with a sentence on stderr. The JSON layout and the class's rules (deadlines,
-lateness, reports): ``parlab.grade.reports``.
+lateness, reports): ``parlab.course.grade.reports``.
 """
 
 import argparse
@@ -20,9 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from parlab.exercises import HINT_LEVELS, hint_tasks, hint_text
-from parlab.grade import TERMINAL_HINT, check, grade_and_print, score
-from parlab.grade.reports import format_summary, grade_submissions, parse_time, read_deadlines, results_json
+from parlab.course.exercises import HINT_LEVELS, hint_tasks, hint_text
+from parlab.course.grade import TERMINAL_HINT, check, grade_and_print, score
+from parlab.course.grade.reports import format_summary, grade_submissions, parse_time, read_deadlines, results_json
 
 GRADE_SUMMARY = "Grade your exercises: a points table, with why each lost point was lost."
 HINT_SUMMARY = "Print one of the three hints of an exercise task: a nudge, the plan, a sketch close to the solution."
@@ -40,7 +40,7 @@ def add_grade_arguments(parser):
                              "feedback per task); progress and the table go to stderr")
     parser.add_argument("--results", metavar="PATH",
                         help="also write that JSON to PATH, e.g. /autograder/results/results.json on Gradescope")
-    group = parser.add_argument_group("grading a class (the rules: parlab.grade.reports)")
+    group = parser.add_argument_group("grading a class (the rules: parlab.course.grade.reports)")
     group.add_argument("--submissions", metavar="DIR",
                        help="grade every submission in DIR: a folder per student holding <topic>.py, or a file "
                             "<student>.py per student")
@@ -136,9 +136,9 @@ def run_hint(args):
 
 
 def main(argv=None):
-    """``python -m parlab.grade``: ``parlab grade``, and ``--hint TASK`` (a task, or a task of
+    """``python -m parlab.course.grade``: ``parlab grade``, and ``--hint TASK`` (a task, or a task of
     the topic named) for ``parlab hint TASK``."""
-    parser = argparse.ArgumentParser(prog="python -m parlab.grade", description=GRADE_SUMMARY)
+    parser = argparse.ArgumentParser(prog="python -m parlab.course.grade", description=GRADE_SUMMARY)
     add_grade_arguments(parser)
     parser.add_argument("--hint", metavar="TASK", help="print a hint for TASK instead of grading (as parlab hint)")
     parser.add_argument("--level", type=int, default=1, help=f"with --hint: which hint, 1 to {len(HINT_LEVELS)}")

@@ -1,4 +1,4 @@
-"""How a solution's text becomes an exercise's text (``parlab.exercises`` writes the files).
+"""How a solution's text becomes an exercise's text (``parlab.course.exercises`` writes the files).
 
 A solution marks what the learner writes with two comment lines:
 
@@ -31,7 +31,7 @@ END_HINTS = re.compile(r"^# END HINTS[ \t]*$")
 _DEF = re.compile(r"^(?P<indent>[ \t]*)(?:async[ \t]+)?def[ \t]+(?P<name>\w+)")
 _HASH_LINE = re.compile(r"^# parlab-generated sha256=(?P<digest>[0-9a-f]{64})$")
 _HEADER = (
-    "# Generated from solutions/{topic}.py by `python -m parlab.exercises build`.\n"
+    "# Generated from solutions/{topic}.py by `python -m parlab.course.exercises build`.\n"
     "# Write your code where it raises NotImplementedError, then run `parlab grade {topic}`.\n"
     "# parlab-generated sha256={digest}\n"
 )

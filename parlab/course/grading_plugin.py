@@ -1,7 +1,7 @@
 """pytest plugin for graded exercises: tasks and points, the implementation under test, and
 a JSON report of every graded test for ``parlab grade``.
 
-Loaded by ``tests/conftest.py`` (``pytest_plugins``) and by ``parlab.grade`` (``-p``).
+Loaded by ``tests/conftest.py`` (``pytest_plugins``) and by ``parlab.course.grade`` (``-p``).
 A grading test file is ``tests/grading/test_<topic>.py``; one class per task:
 
     @pytest.mark.task("ring_allreduce")                  # the task "<topic>.ring_allreduce"

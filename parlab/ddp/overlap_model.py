@@ -13,7 +13,7 @@ the links are emulated, costing 2 (N_d - 1) alpha + 2 (N_d - 1)/N_d D_i beta for
 
 from parlab._checks import module, real_number, whole_number
 from parlab.alpha_beta import cost_model
-from parlab.ddp import MB, VARIANTS, assign_buckets, trainable_parameters
+from parlab.ddp.engine import MB, VARIANTS, assign_buckets, trainable_parameters
 
 
 def predict_overlap(bucket_bytes, ready_times, N_d, alpha, beta):

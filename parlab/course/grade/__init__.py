@@ -7,12 +7,12 @@
 ``--impl`` is the directory whose ``<topic>.py`` is graded: ``exercises`` (yours, the
 default) or ``solutions``. The table has one row per task, points earned out of points
 possible, and under it one line per failed test saying why, which ends with where to get a
-hint for that task (``parlab.exercises.hint``). The exit code is 0 only with full marks.
-``python -m parlab.grade`` is the same command (``parlab.grade.command``); what instructors
+hint for that task (``parlab.course.exercises.hint``). The exit code is 0 only with full marks.
+``python -m parlab.course.grade`` is the same command (``parlab.course.grade.command``); what instructors
 use (``--json``, the results file of an autograding platform, a class's submissions with
-deadlines) is in ``parlab.grade.reports``.
+deadlines) is in ``parlab.course.grade.reports``.
 
-The tests run in a subprocess (pytest with ``parlab.grading_plugin``), so a deadlocked or
+The tests run in a subprocess (pytest with ``parlab.course.grading_plugin``), so a deadlocked or
 crashing exercise never takes the notebook kernel down with it; every graded test has a
 timeout, and a task whose first test hangs, raises NotImplementedError or sends a message of
 the wrong size fails the rest at once. A misspelt topic or task is refused, naming the
@@ -29,10 +29,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from parlab.exercises import ROOT, refuse_name
+from parlab.course.exercises import ROOT, refuse_name
 from parlab.runtime.process import start_module
 
-# The whole run; each test has its own, much shorter, timeout (see parlab.grading_plugin).
+# The whole run; each test has its own, much shorter, timeout (see parlab.course.grading_plugin).
 GRADING_TIMEOUT_S = 600
 # Where the table sends a learner for a hint, from a notebook and from a terminal.
 NOTEBOOK_HINT = 'parlab.hint("{task}")'
@@ -123,7 +123,7 @@ def run_grading(name=None, impl="exercises", root=ROOT, timeout=GRADING_TIMEOUT_
     with tempfile.TemporaryFile("w+") as report_file, tempfile.TemporaryFile("w+") as log:
         progress_read, progress_write = os.pipe()
         command = [*files, "-q", "-o", "addopts=", "-p", "no:cacheprovider"]
-        command += ["-p", "pytest_timeout", "-p", "parlab.grading_plugin"]
+        command += ["-p", "pytest_timeout", "-p", "parlab.course.grading_plugin"]
         command += ["--impl", str(impl_dir), "--grade-report", f"/dev/fd/{report_file.fileno()}"]
         command += ["--grade-progress", str(progress_write)]
         if name and name != topic:
