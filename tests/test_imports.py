@@ -86,3 +86,15 @@ def test_one_spelling_for_this_ranks_device(name):
             assert node.value.id != "parlab", f"{name}: parlab.device (line {node.lineno}); use runtime.device()"
         if isinstance(node, ast.ImportFrom) and node.module == "parlab.runtime":
             assert "device" not in [alias.name for alias in node.names], f"{name} line {node.lineno}"
+
+
+def test_the_readme_layout_names_every_folder_of_the_package():
+    """The README's layout and this test's layers describe the same package: every subpackage
+    is named there, and every layer listed here is a folder or module that exists."""
+    readme = (PACKAGE.parent / "README.md").read_text()
+    layout = readme.split("## Layout", 1)[1].split("```")[1]
+    folders = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+    assert folders and all(f"{folder}/" in layout for folder in folders), sorted(f for f in folders if f"{f}/" not in layout)
+    for name in ABOVE_TECHNIQUES:
+        assert name in MODULES, name
+    assert {name.split(".")[1] for name in TECHNIQUES} <= {name.split(".")[1] for name in MODULES if "." in name}
