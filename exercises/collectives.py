@@ -1,6 +1,6 @@
 # Generated from solutions/collectives.py by `python -m parlab.course.exercises build`.
 # Write your code where it raises NotImplementedError, then run `parlab grade collectives`.
-# parlab-generated sha256=e6e359899d484900001a53d7ddc258758f4a8792a3e3ee20510548fe8f95479f
+# parlab-generated sha256=73de7f0f23a36c7b1ba89ca7ea5d8e8d628b4d6cdc7e467ff8ae258bd1559540
 """Exercise: ring all-reduce, built from a ring reduce-scatter and a ring all-gather.
 
 Write the three functions below with parlab's traced point-to-point calls only:
@@ -72,7 +72,7 @@ def ring_all_gather(tensor):
     return tensor
 
 
-def ring_allreduce(tensor):
+def ring_all_reduce(tensor):
     """Ring all-reduce, in place: afterwards every rank's ``tensor`` holds the element-wise
     sum of all ranks' tensors, like ``dist.all_reduce(tensor)``. Returns ``tensor``.
 
@@ -80,5 +80,5 @@ def ring_allreduce(tensor):
     divides numel, whatever N is. Gathering every rank's whole tensor and summing locally
     gives the same numbers but sends N - 1 whole tensors: the grader checks the bytes.
     """
-    raise NotImplementedError("ring_allreduce is not implemented yet: reduce-scatter, then all-gather")
+    raise NotImplementedError("ring_all_reduce is not implemented yet: reduce-scatter, then all-gather")
     return tensor

@@ -1,6 +1,6 @@
 # Generated from solutions/compression.py by `python -m parlab.course.exercises build`.
 # Write your code where it raises NotImplementedError, then run `parlab grade compression`.
-# parlab-generated sha256=2c1e5c93125126a160d67a78b55f28dc86320244f428ed54f8cc8d265eafcde1
+# parlab-generated sha256=91870c54043b07673f9353af1d6e9b5adaf8680fb4a60e1da2d4bf8526745276
 """Exercise: gradient compression, the three ideas of lecture 05.
 
 Data-parallel ranks step with w_{t+1} = w_t - gamma (1/N) sum_r C(g_r): each of the N ranks
@@ -82,4 +82,4 @@ def powersgd_step(G, Q):
 def all_reduce_sum(tensor):
     """Sum a contiguous ``tensor`` over the ranks, in place, with parlab's ring all-reduce
     (traced); returns it."""
-    return collectives.ring_allreduce(tensor.contiguous(), check=False)
+    return collectives.ring_all_reduce(tensor.contiguous(), check=False)

@@ -1,6 +1,6 @@
 # Generated from solutions/tensor_parallel.py by `python -m parlab.course.exercises build`.
 # Write your code where it raises NotImplementedError, then run `parlab grade tensor_parallel`.
-# parlab-generated sha256=ec41eb15d810622103727aa38c1c2a296ae5499026353cc4a89a7ba209d31b99
+# parlab-generated sha256=97d268e8a2a78424cc31993a77cbed0a16de956348d2e49c5d674136a5f621bd
 """Exercise: Megatron's column- and row-parallel linear layers with the operators f and g,
 and a dynamic loss scaler.
 
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parlab import trace
-from parlab.collectives import ring_allreduce
+from parlab.collectives import ring_all_reduce
 
 
 class CopyToParallel(torch.autograd.Function):
@@ -153,7 +153,7 @@ def all_reduce(tensor):
         return tensor
     reduced = tensor.contiguous().clone()
     with trace.span("all-reduce"):
-        ring_allreduce(reduced, check=False)
+        ring_all_reduce(reduced, check=False)
     return reduced
 
 

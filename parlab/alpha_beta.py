@@ -24,7 +24,7 @@ from parlab import p2p, runtime
 from parlab._checks import real_number, whole_number
 
 # The all-reduce algorithms of the lecture; "tree" is tree_reduce followed by tree_broadcast.
-ALLREDUCE_ALGORITHMS = ("naive", "ring", "butterfly", "tree")
+ALL_REDUCE_ALGORITHMS = ("naive", "ring", "butterfly", "tree")
 
 
 def cost_model(algorithm, D, N, alpha, beta):

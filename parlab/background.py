@@ -1,6 +1,6 @@
 """Collectives that run in the background: a rank's communication thread.
 
-    handle = background.start(collectives.ring_allreduce, bucket, check=False)
+    handle = background.start(collectives.ring_all_reduce, bucket, check=False)
     ...                                            # backward goes on computing
     handle.wait()                                  # the bucket is reduced
 
@@ -24,7 +24,7 @@ def start(collective, *args, **kwargs):
     handle whose ``wait()`` returns its result (and raises its exception, if any)."""
     global _thread
     if not callable(collective):
-        raise ValueError(f"start runs a collective, e.g. parlab.collectives.ring_allreduce; got {collective!r}.")
+        raise ValueError(f"start runs a collective, e.g. parlab.collectives.ring_all_reduce; got {collective!r}.")
     with _lock:
         if _thread is None:
             _thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parlab-comm")

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from parlab import trace
-from parlab.collectives import ring_allreduce
+from parlab.collectives import ring_all_reduce
 from parlab.ddp import DDP
 from parlab.emulated import ComputeTime
 from parlab.memory import measure_model_state
@@ -190,11 +190,11 @@ class MeshGPT:
             if self.zero == 3:
                 for unit in self.engine.units:
                     if unit.shard is getattr(unit.module, REPLICATED_NAME, None):
-                        ring_allreduce(unit.shard.grad, check=False, group=self.tp_group)
+                        ring_all_reduce(unit.shard.grad, check=False, group=self.tp_group)
                 return
             grad = self.engine.shard.grad
             values = grad[self._replicated_in_shard]
-            ring_allreduce(values, check=False, group=self.tp_group)
+            ring_all_reduce(values, check=False, group=self.tp_group)
             grad[self._replicated_in_shard] = values
 
     def model_state_bytes(self):

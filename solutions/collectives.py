@@ -82,7 +82,7 @@ def ring_all_gather(tensor):
     return tensor
 
 
-def ring_allreduce(tensor):
+def ring_all_reduce(tensor):
     """Ring all-reduce, in place: afterwards every rank's ``tensor`` holds the element-wise
     sum of all ranks' tensors, like ``dist.all_reduce(tensor)``. Returns ``tensor``.
 
@@ -156,7 +156,7 @@ HINTS = {
         return tensor
         """,
     ),
-    "ring_allreduce": (
+    "ring_all_reduce": (
         """
         You have written both halves of it already.
         """,

@@ -107,7 +107,7 @@ def powersgd_step(G, Q):
 def all_reduce_sum(tensor):
     """Sum a contiguous ``tensor`` over the ranks, in place, with parlab's ring all-reduce
     (traced); returns it."""
-    return collectives.ring_allreduce(tensor.contiguous(), check=False)
+    return collectives.ring_all_reduce(tensor.contiguous(), check=False)
 
 
 # BEGIN HINTS

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parlab import trace
-from parlab.collectives import ring_allreduce
+from parlab.collectives import ring_all_reduce
 
 
 class CopyToParallel(torch.autograd.Function):
@@ -181,7 +181,7 @@ def all_reduce(tensor):
         return tensor
     reduced = tensor.contiguous().clone()
     with trace.span("all-reduce"):
-        ring_allreduce(reduced, check=False)
+        ring_all_reduce(reduced, check=False)
     return reduced
 
 

@@ -5,7 +5,7 @@ import contextlib
 import pytest
 
 import parlab
-from parlab.alpha_beta import ALLREDUCE_ALGORITHMS, cost_model, fit_alpha_beta, fit_errors, measure_p2p, ping_pong
+from parlab.alpha_beta import ALL_REDUCE_ALGORITHMS, cost_model, fit_alpha_beta, fit_errors, measure_p2p, ping_pong
 
 
 @pytest.mark.timeout(10)
@@ -19,7 +19,7 @@ def test_cost_model_matches_hand_computed_times():
     assert cost_model("butterfly", D, 3, alpha, beta) == pytest.approx(2e-5 + 1e-3 + 2 * (1e-5 + 1e-3))
     assert cost_model("tree_broadcast", D, 3, alpha, beta) == pytest.approx(2 * (1e-5 + 1e-3))
     assert cost_model("tree", D, 4, alpha, beta) == pytest.approx(4 * (1e-5 + 1e-3))
-    assert [cost_model(a, D, 1, alpha, beta) for a in (*ALLREDUCE_ALGORITHMS, "tree_broadcast")] == [0] * 5
+    assert [cost_model(a, D, 1, alpha, beta) for a in (*ALL_REDUCE_ALGORITHMS, "tree_broadcast")] == [0] * 5
     with pytest.raises(ValueError, match="'ring'"):
         cost_model("allreduce", D, 4, alpha, beta)
 

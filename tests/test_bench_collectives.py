@@ -153,7 +153,7 @@ def test_link_is_read_from_the_command_line_and_chooses_its_own_defaults(argv, w
     measured = []
     monkeypatch.setattr(FakeCluster, "started", [])
     monkeypatch.setattr("parlab.bench.collectives.runtime.Cluster", FakeCluster)
-    monkeypatch.setattr("parlab.bench.collectives.measure_allreduce",
+    monkeypatch.setattr("parlab.bench.collectives.measure_all_reduce",
                         lambda cluster, sizes, link, bar: measured.append((sizes, link)) or [])
     cli.BENCHES["collectives"].run(args)
     assert FakeCluster.started == world_sizes

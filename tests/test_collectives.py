@@ -11,9 +11,9 @@ import parlab
 from parlab import collectives
 from parlab.collectives import (
     METADATA_BYTES,
-    butterfly_allreduce,
-    naive_allreduce,
-    ring_allreduce,
+    butterfly_all_reduce,
+    naive_all_reduce,
+    ring_all_reduce,
     ring_contributions,
     ring_reduce_scatter,
     ring_steps,
@@ -62,9 +62,9 @@ def compare_with_torch():
             expected, expected_at_root = torch_reduce(x, op), torch_reduce(x, op, root)
             reduced_at_root = tree_reduce(x.clone(), root=root, op=op)
             checks += [
-                (f"naive_allreduce root={case % N} {op}", naive_allreduce(x.clone(), op, root=case % N), expected),
-                (f"ring_allreduce {op}", ring_allreduce(x.clone(), op), expected),
-                (f"butterfly_allreduce {op}", butterfly_allreduce(x.clone(), op), expected),
+                (f"naive_all_reduce root={case % N} {op}", naive_all_reduce(x.clone(), op, root=case % N), expected),
+                (f"ring_all_reduce {op}", ring_all_reduce(x.clone(), op), expected),
+                (f"butterfly_all_reduce {op}", butterfly_all_reduce(x.clone(), op), expected),
                 (f"tree_reduce {op}", reduced_at_root if rank == root else expected_at_root, expected_at_root),
             ]
         failures += [f"{name} {dtype} {shape}" for name, got, want in checks if not same(got, want)]
@@ -93,8 +93,8 @@ def test_every_collective_equals_torch_distributed(world_size, request):
 
 def ring_with_torch_op():
     by_name, by_enum = torch.arange(6.0) * dist.get_rank(), torch.arange(6.0) * dist.get_rank()
-    ring_allreduce(by_name, "max")
-    ring_allreduce(by_enum, dist.ReduceOp.MAX)
+    ring_all_reduce(by_name, "max")
+    ring_all_reduce(by_enum, dist.ReduceOp.MAX)
     return torch.equal(by_name, by_enum)
 
 
@@ -121,9 +121,9 @@ def chunk_sizes(numel, N):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("numel", [1003, 1200])
-def test_ring_allreduce_sends_every_chunk_but_the_owned_ones(world_size, numel, request):
+def test_ring_all_reduce_sends_every_chunk_but_the_owned_ones(world_size, numel, request):
     N, D = world_size, 4 * numel
-    timeline = request.getfixturevalue(f"cluster{N}").trace(collective_on_ones, "ring_allreduce", numel)
+    timeline = request.getfixturevalue(f"cluster{N}").trace(collective_on_ones, "ring_all_reduce", numel)
     # Rank r forwards every chunk but r (its own after the reduce-scatter) and every chunk
     # but (r + 1) mod N (the one it receives last in the all-gather).
     sizes = chunk_sizes(numel, N)
@@ -136,9 +136,9 @@ def test_ring_allreduce_sends_every_chunk_but_the_owned_ones(world_size, numel, 
 
 
 @pytest.mark.timeout(30)
-def test_naive_allreduce_traffic_concentrates_on_the_root(cluster4):
+def test_naive_all_reduce_traffic_concentrates_on_the_root(cluster4):
     N, D, root = 4, 4 * 1003, 1
-    timeline = cluster4.trace(collective_on_ones, "naive_allreduce", 1003, root=root)
+    timeline = cluster4.trace(collective_on_ones, "naive_all_reduce", 1003, root=root)
     expected = [(N - 1) * D if r == root else D for r in range(N)]
     assert timeline.bytes_sent() == expected
     assert timeline.bytes_received() == expected
@@ -149,7 +149,7 @@ def test_naive_allreduce_traffic_concentrates_on_the_root(cluster4):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_butterfly_halves_then_doubles_in_log2_N_rounds_each(world_size, request):
     N, D = world_size, 4 * 1024
-    timeline = request.getfixturevalue(f"cluster{N}").trace(collective_on_ones, "butterfly_allreduce", 1024)
+    timeline = request.getfixturevalue(f"cluster{N}").trace(collective_on_ones, "butterfly_all_reduce", 1024)
     halving = [D // 2**k for k in range(1, int(math.log2(N)) + 1)]  # D/2, D/4, ..., D/N
     for rank in range(N):
         assert [ev.nbytes for ev in sends(timeline, rank)] == halving + halving[::-1]
@@ -159,7 +159,7 @@ def test_butterfly_halves_then_doubles_in_log2_N_rounds_each(world_size, request
 @pytest.mark.timeout(30)
 def test_butterfly_folds_the_extra_rank_when_N_is_not_a_power_of_two(cluster3):
     D = 4 * 1024
-    timeline = cluster3.trace(collective_on_ones, "butterfly_allreduce", 1024)
+    timeline = cluster3.trace(collective_on_ones, "butterfly_all_reduce", 1024)
     # P = 2: rank 2 folds D into rank 0, ranks 0 and 1 exchange D/2 twice, rank 0 unfolds D.
     assert timeline.bytes_sent() == [2 * D, D, D]
     assert timeline.bytes_received() == [2 * D, D, D]
@@ -196,7 +196,7 @@ def test_tree_reduce_gathers_into_the_root_in_ceil_log2_N_rounds(cluster4):
 @pytest.mark.timeout(30)
 def test_the_consistency_check_costs_N_minus_1_small_messages(cluster4):
     N, numel = 4, 1200
-    checked = cluster4.trace(collective_on_ones, "ring_allreduce", numel, check=True)
+    checked = cluster4.trace(collective_on_ones, "ring_all_reduce", numel, check=True)
     assert checked.bytes_sent() == [2 * (N - 1) * 4 * numel // N + (N - 1) * METADATA_BYTES] * N
     assert [len(sends(checked, r)) for r in range(N)] == [3 * (N - 1)] * N
 
@@ -364,9 +364,9 @@ def test_explicit_parts_must_cut_the_tensor_once_per_rank(cluster2):
 # --- mistakes a learner can make -----------------------------------------------------------
 
 
-def ring_allreduce_of(shapes, dtypes, ops):
+def ring_all_reduce_of(shapes, dtypes, ops):
     rank = dist.get_rank()
-    ring_allreduce(torch.ones(shapes[rank], dtype=dtypes[rank]), ops[rank])
+    ring_all_reduce(torch.ones(shapes[rank], dtype=dtypes[rank]), ops[rank])
 
 
 @pytest.mark.timeout(60)
@@ -381,10 +381,10 @@ def ring_allreduce_of(shapes, dtypes, ops):
 )
 def test_ranks_that_disagree_all_raise_instead_of_hanging(cluster2, shapes, dtypes, ops, words):
     with pytest.raises(parlab.RankError) as error:
-        cluster2.run(ring_allreduce_of, shapes, dtypes, ops, timeout=20)
+        cluster2.run(ring_all_reduce_of, shapes, dtypes, ops, timeout=20)
     assert error.value.ranks == [0, 1]
     for traceback in error.value.failures.values():
-        assert "ValueError: ring_allreduce needs the same call on every rank" in traceback
+        assert "ValueError: ring_all_reduce needs the same call on every rank" in traceback
         assert all(word in traceback for word in words)
 
 
@@ -399,7 +399,7 @@ def test_ranks_that_disagree_all_raise_instead_of_hanging(cluster2, shapes, dtyp
     ],
 )
 def test_local_mistakes_raise_value_error_before_any_communication(tensor, op, words):
-    for allreduce in (naive_allreduce, ring_allreduce, butterfly_allreduce):
+    for all_reduce in (naive_all_reduce, ring_all_reduce, butterfly_all_reduce):
         with pytest.raises(ValueError) as error:
-            allreduce(tensor, op)
+            all_reduce(tensor, op)
         assert words in str(error.value)

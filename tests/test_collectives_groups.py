@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import parlab
 from parlab import trace
-from parlab.collectives import ring_all_gather, ring_allreduce, ring_reduce_scatter
+from parlab.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 
 ROWS, COLUMNS = [[0, 1], [2, 3]], [[0, 2], [1, 3]]
 
@@ -19,7 +19,7 @@ def grid_collectives(numel, check):
     groups = {tuple(ranks): dist.new_group(ranks) for ranks in ROWS + COLUMNS}  # every rank makes every group
     row, column = (groups[tuple(g)] for g in (ROWS[rank // 2], COLUMNS[rank % 2]))
     with trace.span("row"):
-        summed = ring_allreduce(torch.full((numel,), rank + 1.0), check=check, group=row)
+        summed = ring_all_reduce(torch.full((numel,), rank + 1.0), check=check, group=row)
     x = torch.full((numel,), rank + 1.0)
     with trace.span("column"):
         owned = ring_reduce_scatter(x, op="avg", check=check, group=column)
@@ -52,7 +52,7 @@ def mismatched_call_in_group():
     rank = dist.get_rank()
     groups = [dist.new_group(ranks) for ranks in ROWS]
     row = groups[rank // 2]
-    ring_allreduce(torch.ones(3 if rank == 3 else 4), group=row)
+    ring_all_reduce(torch.ones(3 if rank == 3 else 4), group=row)
 
 
 def test_the_consistency_check_runs_within_the_group(cluster4):

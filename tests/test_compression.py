@@ -25,7 +25,7 @@ from parlab.compression import (
     topk_pays,
     torch_hook,
 )
-from parlab.compression.travel import all_gather_sent, pack, ring_allreduce_sent, seconds, sent, unpack
+from parlab.compression.travel import all_gather_sent, pack, ring_all_reduce_sent, seconds, sent, unpack
 
 D, SAMPLES = 24, 4000
 SIGMAS = 5  # a 5-standard-error miss happens about once in 1.7 million: a failure means a bug
@@ -138,7 +138,7 @@ def test_bytes_each_rank_sends_are_the_formulas(N):
 
 
 def test_uneven_rings_and_gathers_count_each_ranks_chunks():
-    assert ring_allreduce_sent(10, 4, 4) == [4 * (20 - 3 - 3), 4 * (20 - 3 - 2), 4 * (20 - 2 - 2), 4 * (20 - 2 - 3)]
+    assert ring_all_reduce_sent(10, 4, 4) == [4 * (20 - 3 - 3), 4 * (20 - 3 - 2), 4 * (20 - 2 - 2), 4 * (20 - 2 - 3)]
     assert all_gather_sent(7, 3) == [14, 14, 14]
 
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from parlab import trace
 from parlab.bench.compression_experiments import SIGN_METHODS, sign_descent, torch_hooks_on_gloo
-from parlab.collectives import ring_allreduce
+from parlab.collectives import ring_all_reduce
 from parlab.compression import (
     BF16,
     FP16,
@@ -117,7 +117,7 @@ def train(steps, hook=None, engine="parlab", all_reduce=None, seed=0):
 
 def identity_runs():
     return {
-        "parlab ring": train(4, all_reduce=ring_allreduce),
+        "parlab ring": train(4, all_reduce=ring_all_reduce),
         "parlab identity hook": train(4, hook=parlab_hook(Identity())),
         "torch": train(4, engine="torch"),
         "torch identity hook": train(4, engine="torch", hook=torch_hook(Identity())),

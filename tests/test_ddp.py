@@ -14,7 +14,7 @@ from torch import nn
 
 import parlab
 from parlab import trace
-from parlab.collectives import ring_allreduce
+from parlab.collectives import ring_all_reduce
 from parlab.ddp import DDP, MB, VARIANTS, assign_buckets, trainable_parameters
 from parlab.numerics import assert_equivalent, assert_within, backward_in_shards, ring_orders, rounding_band
 from parlab.ddp import DistributedSampler
@@ -324,7 +324,7 @@ def train_with_custom_communication(steps):
 
     cap = (BIAS + HIDDEN) / MB
     return {
-        "ring": train("bucketed", steps, bucket_cap_mb=cap, all_reduce=ring_allreduce),
+        "ring": train("bucketed", steps, bucket_cap_mb=cap, all_reduce=ring_all_reduce),
         "future": train("bucketed", steps, bucket_cap_mb=cap, comm_hook=future_average),
         "fp16": train("bucketed", steps, bucket_cap_mb=cap, comm_hook=fp16_average),
         "fp16 calls": calls,
@@ -335,7 +335,7 @@ def train_with_custom_communication(steps):
 def test_another_all_reduce_and_comm_hooks_plug_in(cluster2):
     timeline = cluster2.trace(train_with_custom_communication, STEPS)
     for rank, results in enumerate(timeline.results):
-        assert_like_one_process(results["ring"], 2, f"rank {rank}, ring_allreduce")
+        assert_like_one_process(results["ring"], 2, f"rank {rank}, ring_all_reduce")
         assert_like_one_process(results["future"], 2, f"rank {rank}, Future hook")
         assert_like_one_process(results["fp16"], 2, f"rank {rank}, fp16 hook", dtype=torch.float16)
         assert results["fp16 calls"] == [(BIAS + HIDDEN) // 4, EMBEDDING // 4] * STEPS
@@ -409,7 +409,7 @@ def test_learner_mistakes_are_explained():
     with pytest.raises(ValueError, match="one dtype"):
         DDP(mixed)
     with pytest.raises(ValueError, match="not both"):
-        DDP(TiedToy(), all_reduce=ring_allreduce, comm_hook=lambda bucket: bucket)
+        DDP(TiedToy(), all_reduce=ring_all_reduce, comm_hook=lambda bucket: bucket)
     with pytest.raises(ValueError, match="rank must be between 0 and"):
         DistributedSampler(10, num_replicas=2, rank=2)
 

@@ -45,7 +45,7 @@ def test_a_rank_s_sends_queue_on_its_link(cluster):
 
 def naive_to_rank_0():
     tensor = torch.full((NBYTES // 4,), 1.0)
-    collectives.naive_allreduce(tensor, check=False)
+    collectives.naive_all_reduce(tensor, check=False)
     return tensor[0].item()
 
 
@@ -58,7 +58,7 @@ def test_the_root_receives_one_message_at_a_time_and_sends_one_at_a_time(cluster
 
 def ring_sum(values):
     tensor = torch.tensor(values[dist.get_rank()])
-    collectives.ring_allreduce(tensor, check=False)
+    collectives.ring_all_reduce(tensor, check=False)
     return tensor
 
 
@@ -130,7 +130,7 @@ def ddp_step(all_reduce=None):
 def test_ddp_under_emulated_links_overlaps_with_parlab_s_ring_and_averages_the_same(cluster):
     timeline = cluster.trace(ddp_step)
     with cluster.emulate():
-        reference = cluster.run(ddp_step, collectives.ring_allreduce)  # real time, the same rings, one at a time
+        reference = cluster.run(ddp_step, collectives.ring_all_reduce)  # real time, the same rings, one at a time
     for rank in range(4):
         assert all(torch.equal(a, b) for a, b in zip(timeline.results[rank], reference[rank]))
     sends = timeline.select(rank=0, name="isend")

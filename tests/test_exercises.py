@@ -30,7 +30,7 @@ from parlab.course.grading_plugin import failure_reason, load_implementation
 from parlab.runtime.errors import RankError, RankTimeout
 
 FIXTURES = exercises.ROOT / "tests" / "grading" / "fixtures"
-TASKS = ("ring_reduce_scatter", "ring_all_gather", "ring_allreduce")
+TASKS = ("ring_reduce_scatter", "ring_all_gather", "ring_all_reduce")
 SOLUTION = textwrap.dedent(
     '''\
     """A topic."""
@@ -208,9 +208,9 @@ def test_unknown_tasks_and_levels_are_refused_naming_the_closest():
     with pytest.raises(ValueError, match=r"^there is no task 'ddp\.assign_bucket': did you mean "
                                          r"'ddp\.assign_buckets'\?$"):
         exercises.hint("ddp.assign_bucket")
-    with pytest.raises(ValueError, match=r"^there is no task 'colectives\.ring_allreduce': did you mean "
-                                         r"'collectives\.ring_allreduce'\?$"):
-        exercises.hint("colectives.ring_allreduce")
+    with pytest.raises(ValueError, match=r"^there is no task 'colectives\.ring_all_reduce': did you mean "
+                                         r"'collectives\.ring_all_reduce'\?$"):
+        exercises.hint("colectives.ring_all_reduce")
     with pytest.raises(ValueError, match=r"^there is no task 'zero\.xyzzy'; the tasks of zero are: "
                                          r"zero\.reduce_scatter_gradients, zero\.sharded_optimizer\.$"):
         exercises.hint("zero.xyzzy")  # nothing close: the tasks of its topic, not every task
@@ -230,12 +230,12 @@ def test_a_hints_block_left_open_or_malformed_says_where(tmp_path):
 
 
 def test_the_terminal_prints_one_level_and_the_command_for_the_next(capsys):
-    assert cli.main(["hint", "collectives.ring_allreduce", "--level", "2"]) == 0
+    assert cli.main(["hint", "collectives.ring_all_reduce", "--level", "2"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("collectives.ring_allreduce, hint 2 of 3 (the plan):\n")
-    assert out.endswith("Next, a sketch close to the solution: parlab hint collectives.ring_allreduce --level 3\n")
+    assert out.startswith("collectives.ring_all_reduce, hint 2 of 3 (the plan):\n")
+    assert out.endswith("Next, a sketch close to the solution: parlab hint collectives.ring_all_reduce --level 3\n")
     # python -m parlab.course.grade keeps its --hint, a task or a task of the topic named.
-    assert command.main(["collectives", "--hint", "ring_allreduce", "--level", "2"]) == 0
+    assert command.main(["collectives", "--hint", "ring_all_reduce", "--level", "2"]) == 0
     assert capsys.readouterr().out == out
     assert cli.main(["hint", "collectives.nope"]) == 2
     assert "there is no task 'collectives.nope'; the tasks of collectives are: " in capsys.readouterr().err
@@ -245,12 +245,12 @@ def test_the_terminal_prints_one_level_and_the_command_for_the_next(capsys):
 
 def test_each_reason_of_a_failed_task_ends_with_where_its_hints_are():
     results = [
-        {"test": "test_a", "task": "collectives.ring_allreduce", "points": 1, "passed": False, "reason": "wrong"},
-        {"test": "test_b", "task": "collectives.ring_allreduce", "points": 1, "passed": True, "reason": None},
+        {"test": "test_a", "task": "collectives.ring_all_reduce", "points": 1, "passed": False, "reason": "wrong"},
+        {"test": "test_b", "task": "collectives.ring_all_reduce", "points": 1, "passed": True, "reason": None},
         {"test": "test_c", "task": "ddp.assign_buckets", "points": 1, "passed": False, "reason": "off by one"},
     ]
     table = grade.format_table(results, "all topics", "exercises", grade.NOTEBOOK_HINT)
-    assert '    test_a: wrong [hint: parlab.hint("collectives.ring_allreduce")]\n' in table
+    assert '    test_a: wrong [hint: parlab.hint("collectives.ring_all_reduce")]\n' in table
     assert '    test_c: off by one [hint: parlab.hint("ddp.assign_buckets")]\n' in table
     shared = [dict(test, passed=False, reason="no file") for test in results]
     table = grade.format_table(shared, "all topics", "exercises", grade.TERMINAL_HINT)
@@ -300,8 +300,8 @@ def test_unknown_topics_are_refused_with_the_list_of_topics(capsys):
     assert "the topics are: async_sgd, collectives" in capsys.readouterr().err
     with pytest.raises(ValueError, match="^there is no topic 'nope'; the topics are: async_sgd, collectives"):
         grade.check("nope")
-    with pytest.raises(ValueError, match="^there is no task 'nope.ring_allreduce': did you mean 'collectives.ring_all"):
-        grade.check("nope.ring_allreduce")
+    with pytest.raises(ValueError, match="^there is no task 'nope.ring_all_reduce': did you mean 'collectives.ring_all"):
+        grade.check("nope.ring_all_reduce")
 
 
 def test_a_misspelt_name_is_refused_with_the_closest_before_anything_runs(monkeypatch, capsys):
@@ -443,7 +443,7 @@ def test_a_chunk_size_off_by_one_gets_a_hint_and_costs_one_test_per_task():
         rf"into a tensor of \d+ bytes{line}): sender and receiver must agree on every message's size "
         r"\(for chunks, check how chunk sizes are computed for uneven lengths\)$"
     )
-    for task in ("ring_reduce_scatter", "ring_allreduce"):
+    for task in ("ring_reduce_scatter", "ring_all_reduce"):
         first, *rest = [test["reason"] for test in results if test["task"] == f"collectives.{task}"]
         assert hint.match(first), first
         assert rest == [f"not run: an earlier test of collectives.{task} sent a message of the wrong size"] * 4
@@ -572,23 +572,23 @@ def test_one_task_is_graded_alone_and_a_broken_file_says_why_once_in_json_too(tm
     # every tool that reads the tree.) One run, through `parlab grade --json --results`: the
     # JSON on stdout, the same in the results file, the progress and the table on stderr.
     path = tmp_path / "collectives.py"
-    path.write_text("def ring_allreduce(tensor)\n    return tensor\n")
+    path.write_text("def ring_all_reduce(tensor)\n    return tensor\n")
     results_file = tmp_path / "results" / "results.json"
-    argv = ["grade", "collectives.ring_allreduce", "--impl", str(tmp_path), "--json", "--results", str(results_file)]
+    argv = ["grade", "collectives.ring_all_reduce", "--impl", str(tmp_path), "--json", "--results", str(results_file)]
     assert cli.main(argv) == 1  # points missing
     captured = capsys.readouterr()
     table, document = captured.err, json.loads(captured.out)
-    assert "collectives.ring_allreduce" in table and "ring_reduce_scatter" not in table
+    assert "collectives.ring_all_reduce" in table and "ring_reduce_scatter" not in table
     assert table.count("could not be imported") == 1, table
     reason = f"{path}, line 1, could not be imported: SyntaxError: expected ':'"
-    assert f"every test: {reason} [hint: parlab hint collectives.ring_allreduce]\n" in table
+    assert f"every test: {reason} [hint: parlab hint collectives.ring_all_reduce]\n" in table
     assert json.loads(results_file.read_text()) == document
-    assert document["score"] == 0 and document["output"] == "collectives.ring_allreduce: 0 / 5 points"
-    assert document["extra_data"] == {"graded": "collectives.ring_allreduce", "earned": 0, "max_score": 5}
+    assert document["score"] == 0 and document["output"] == "collectives.ring_all_reduce: 0 / 5 points"
+    assert document["extra_data"] == {"graded": "collectives.ring_all_reduce", "earned": 0, "max_score": 5}
     [task] = document["tests"]
     assert {key: task[key] for key in ("name", "score", "max_score", "status")} == {
-        "name": "collectives.ring_allreduce", "score": 0, "max_score": 5, "status": "failed"}
-    assert task["output"] == f"5 tests: {reason} [hint: parlab hint collectives.ring_allreduce]"
+        "name": "collectives.ring_all_reduce", "score": 0, "max_score": 5, "status": "failed"}
+    assert task["output"] == f"5 tests: {reason} [hint: parlab hint collectives.ring_all_reduce]"
     assert [test["reason"] for test in task["extra_data"]["tests"]] == [reason] * 5
     with pytest.raises(ValueError, match="no task 'collectives.ring'; the tasks of collectives are: collectives.ring_"):
         grade.check("collectives.ring", impl=tmp_path)
@@ -602,9 +602,9 @@ def test_zero_full_optimizer_state_and_an_all_reduce_lose_exactly_their_points(t
     failed = graded_with_mistakes("zero", {
         "optimizer_class([self.shard], **optimizer_kwargs)": "optimizer_class(self.trainable, **optimizer_kwargs)",
         "reduce_scatter(flat_grad, layout, dist.get_rank())": (
-            "layout.shard(ring_allreduce(flat_grad, op='avg', check=False), dist.get_rank())"
+            "layout.shard(ring_all_reduce(flat_grad, op='avg', check=False), dist.get_rank())"
         ),
-        "import torch\n": "import torch\nfrom parlab.collectives import ring_allreduce\n",
+        "import torch\n": "import torch\nfrom parlab.collectives import ring_all_reduce\n",
     }, tmp_path)
     assert sorted(failed) == [
         "test_holds_one_shard_of_the_optimizer_state[2 ranks]",

@@ -13,8 +13,8 @@ from parlab.course.grade.reports import days_late, describe_lateness, find_submi
 
 DEADLINE = datetime(2025, 3, 1, 23, 59, tzinfo=timezone.utc)
 RESULTS = [
-    {"test": "test_a", "task": "collectives.ring_allreduce", "points": 1, "passed": False, "reason": "wrong"},
-    {"test": "test_b", "task": "collectives.ring_allreduce", "points": 2, "passed": True, "reason": None},
+    {"test": "test_a", "task": "collectives.ring_all_reduce", "points": 1, "passed": False, "reason": "wrong"},
+    {"test": "test_b", "task": "collectives.ring_all_reduce", "points": 2, "passed": True, "reason": None},
     {"test": "test_c", "task": "collectives.ring_all_gather", "points": 1, "passed": True, "reason": None},
 ]
 
@@ -26,8 +26,8 @@ def test_results_follow_gradescopes_layout_one_entry_per_task():
     assert document["output"] == "collectives: 3 / 4 points; late by 1 day (points x 0.9)"
     allreduce, all_gather = document["tests"]
     assert {key: allreduce[key] for key in ("name", "score", "max_score", "status", "output")} == {
-        "name": "collectives.ring_allreduce", "score": 2, "max_score": 3, "status": "failed",
-        "output": "test_a: wrong [hint: parlab hint collectives.ring_allreduce]"}
+        "name": "collectives.ring_all_reduce", "score": 2, "max_score": 3, "status": "failed",
+        "output": "test_a: wrong [hint: parlab hint collectives.ring_all_reduce]"}
     assert [test["test"] for test in allreduce["extra_data"]["tests"]] == ["test_a", "test_b"]
     assert {key: all_gather[key] for key in ("score", "max_score", "status", "output")} == {
         "score": 1, "max_score": 1, "status": "passed", "output": "all 1 tests passed"}

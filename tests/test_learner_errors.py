@@ -61,7 +61,7 @@ CASES = {
     "mesh dp = 0": (lambda: mesh.axis_groups("pp", dp=0, pp=2),
                     r"dp \(the number of data-parallel replicas\).*such as dp=2"),
     # --- collectives and the alpha-beta model ---------------------------------------------------
-    "collective on a list": (lambda: collectives.ring_allreduce([1.0, 2.0]), r"pass one, e.g. torch.tensor"),
+    "collective on a list": (lambda: collectives.ring_all_reduce([1.0, 2.0]), r"pass one, e.g. torch.tensor"),
     "ring_steps N = 2.5": (lambda: collectives.ring_steps(2.5), r"N \(the number of ranks\).*such as N = 4"),
     "ring_steps phase": (lambda: collectives.ring_steps(3, "all-reduce"), r"pass one of them \(None: both"),
     "ring_contributions step -1": (lambda: collectives.ring_contributions(3, -1), r"count the steps.*from 0 to"),

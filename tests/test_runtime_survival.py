@@ -17,7 +17,7 @@ import torch.distributed as dist
 from test_runtime import all_reduce_ranks, is_alive, run_script
 
 import parlab
-from parlab.collectives import ring_allreduce
+from parlab.collectives import ring_all_reduce
 from parlab.runtime import cluster as cluster_module
 from parlab.runtime.process import waited_for_a_cpu_s
 
@@ -198,7 +198,7 @@ def slow_sum(offset):
 
 def ring_sum(offset):
     tensor = torch.arange(4.0) + dist.get_rank() + offset
-    ring_allreduce(tensor, check=False)  # no call check: the traffic is the ring's alone
+    ring_all_reduce(tensor, check=False)  # no call check: the traffic is the ring's alone
     return tensor.tolist()
 
 

@@ -10,7 +10,7 @@ from matplotlib.image import AxesImage
 from matplotlib.patches import Rectangle
 from matplotlib.text import Annotation
 
-from parlab.alpha_beta import ALLREDUCE_ALGORITHMS, cost_model
+from parlab.alpha_beta import ALL_REDUCE_ALGORITHMS, cost_model
 from parlab.collectives import ring_contributions
 from parlab.widgets.collectives import (
     ACTION_COLOURS,
@@ -77,8 +77,8 @@ def test_alpha_beta_plot_draws_the_model_of_every_algorithm_on_log_axes():
     sizes = [2.0**k for k in range(10, 25)]
     ax = plot_alpha_beta(4, 2e-5, 1e-9, sizes)
     lines = {line.get_label(): line for line in ax.get_lines()}
-    assert len(lines) == len(ALLREDUCE_ALGORITHMS)
-    for algorithm in ALLREDUCE_ALGORITHMS:
+    assert len(lines) == len(ALL_REDUCE_ALGORITHMS)
+    for algorithm in ALL_REDUCE_ALGORITHMS:
         [line] = [line for label, line in lines.items() if label.startswith(f"model: {algorithm}")]
         assert list(line.get_ydata()) == pytest.approx([cost_model(algorithm, D, 4, 2e-5, 1e-9) for D in sizes])
     assert (ax.get_xscale(), ax.get_yscale()) == ("log", "log")

@@ -106,7 +106,7 @@ class _AllReducedBackward(torch.autograd.Function):
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
         for _ in range(10):
-            collectives.ring_allreduce(grad, op="avg", check=False, group=ctx.group)
+            collectives.ring_all_reduce(grad, op="avg", check=False, group=ctx.group)
         return grad, None
 
 

@@ -90,7 +90,7 @@ def _average(tensors, group):
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])  # (d,)
     flat /= _group_size(group)
-    collectives.ring_allreduce(flat, check=False, group=group)
+    collectives.ring_all_reduce(flat, check=False, group=group)
     offset = 0
     for t in tensors:
         t.copy_(flat[offset:offset + t.numel()].view_as(t))

@@ -98,7 +98,7 @@ def _step(method, problem, w, rank, step, ring, averager):
         return
     g = problem.gradient(w, rank, step)
     if method == "sync":
-        collectives.ring_allreduce(g, op="avg", check=False)
+        collectives.ring_all_reduce(g, op="avg", check=False)
     w -= problem.lr * g
     if method == "local":
         averager.average_parameters([w])
@@ -114,7 +114,7 @@ def time_exchange(kind, numel, repeats):
 
     def once():
         if kind == "ring":
-            collectives.ring_allreduce(x, check=False)
+            collectives.ring_all_reduce(x, check=False)
         else:
             gossip.gossip_step(x, ring)
 

@@ -52,9 +52,9 @@ from parlab.runtime.emulation import Link, Regime
 
 ALGORITHMS = {
     "torch": lambda x: dist.all_reduce(x),
-    "naive": lambda x: collectives.naive_allreduce(x, check=False),
-    "ring": lambda x: collectives.ring_allreduce(x, check=False),
-    "butterfly": lambda x: collectives.butterfly_allreduce(x, check=False),
+    "naive": lambda x: collectives.naive_all_reduce(x, check=False),
+    "ring": lambda x: collectives.ring_all_reduce(x, check=False),
+    "butterfly": lambda x: collectives.butterfly_all_reduce(x, check=False),
 }
 PARLAB_ALGORITHMS = ("naive", "ring", "butterfly")  # the ones an emulated link shapes
 FREE_LINK = Link(latency=0, bandwidth=1e15)  # 64 MiB in 67 ns: the emulated path's own cost alone
@@ -98,7 +98,7 @@ def run(args):
 def bench_collectives(world_sizes=None, sizes=None, device="cpu", link=None):
     """Measure every algorithm at every (N, D) in real time and, given a ``parlab.Link``,
     parlab's algorithms again on that emulated link; returns a JSON-ready dict whose rows are
-    those of ``measure_allreduce`` and, with a link, the ``targets`` the emulated ring must meet.
+    those of ``measure_all_reduce`` and, with a link, the ``targets`` the emulated ring must meet.
     Defaults: N in 2 4 and D from 1 KiB to 64 MiB; with a link, N in 4 8 and D from 1 to 64 MiB."""
     world_sizes = list(world_sizes or (LINK_WORLD_SIZES if link else DEFAULT_WORLD_SIZES))
     sizes = list(sizes or (LINK_SIZES if link else DEFAULT_SIZES))
@@ -108,7 +108,7 @@ def bench_collectives(world_sizes=None, sizes=None, device="cpu", link=None):
     with progress_bar("collectives", len(world_sizes) * len(sizes), unit="size") as bar:
         for world_size in world_sizes:
             with runtime.Cluster(world_size, device=device) as cluster:
-                rows += measure_allreduce(cluster, sizes, link, bar)
+                rows += measure_all_reduce(cluster, sizes, link, bar)
     return {
         "bench": "collectives",
         "device": device,
@@ -124,7 +124,7 @@ def bench_collectives(world_sizes=None, sizes=None, device="cpu", link=None):
     }
 
 
-def measure_allreduce(cluster, sizes, link=None, bar=None):
+def measure_all_reduce(cluster, sizes, link=None, bar=None):
     """On a running cluster, for each size: every algorithm in real time (``bandwidth_rows``)
     and, given a ``link``, parlab's algorithms on it and on ``FREE_LINK`` (``emulated_rows``);
     rows in that order. ``bar``: a progress bar to count the sizes on."""

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parlab.bench.compression import COMPRESSORS, EVALUATION_SEED, batches, measure, mlp, predicted_step
-from parlab.collectives import ring_allreduce
+from parlab.collectives import ring_all_reduce
 from parlab.compression import ErrorFeedback, Identity, ScaledSign, SignSGD
 from parlab.runtime.emulation import Link
 
@@ -56,7 +56,7 @@ def sign_descent(steps, gamma, method):
             delta, _ = compressor.aggregate(g, gamma=gamma)
             if step >= 3 * steps // 4:
                 residual = compressor.residuals[0].clone()
-                worst = max(worst, (ring_allreduce(residual) / dist.get_world_size()).norm().item())
+                worst = max(worst, (ring_all_reduce(residual) / dist.get_world_size()).norm().item())
         else:
             delta = gamma * compressor.aggregate(g)[0]
         x = x - delta

@@ -33,21 +33,21 @@ and ``_common.py`` (the local checks, the neighbour exchange, reductions, receiv
 """
 
 from parlab.collectives._common import COLLECTIVES, DTYPES, MAX_DIMS, OPS
-from parlab.collectives.butterfly import butterfly_allreduce
+from parlab.collectives.butterfly import butterfly_all_reduce
 from parlab.collectives.ring import (
     METADATA_BYTES,
     RING_PHASES,
     RingStep,
     chunk_bounds,
     ring_all_gather,
-    ring_allreduce,
+    ring_all_reduce,
     ring_chunks,
     ring_contributions,
     ring_reduce_scatter,
     ring_steps,
 )
-from parlab.collectives.tree import naive_allreduce, tree_broadcast, tree_reduce
+from parlab.collectives.tree import naive_all_reduce, tree_broadcast, tree_reduce
 
 __all__ = ["OPS", "DTYPES", "COLLECTIVES", "MAX_DIMS", "METADATA_BYTES", "RING_PHASES", "RingStep", "ring_steps",
-           "naive_allreduce", "ring_reduce_scatter", "ring_all_gather", "ring_allreduce", "ring_contributions",
-           "chunk_bounds", "ring_chunks", "butterfly_allreduce", "tree_broadcast", "tree_reduce"]
+           "naive_all_reduce", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "ring_contributions",
+           "chunk_bounds", "ring_chunks", "butterfly_all_reduce", "tree_broadcast", "tree_reduce"]

@@ -13,8 +13,8 @@ from parlab._checks import rank as check_rank
 OPS = ("sum", "avg", "max", "min")
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
           torch.int8, torch.uint8, torch.int32, torch.int64)
-COLLECTIVES = ("naive_allreduce", "ring_reduce_scatter", "ring_all_gather", "ring_allreduce",
-               "butterfly_allreduce", "tree_broadcast", "tree_reduce")
+COLLECTIVES = ("naive_all_reduce", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce",
+               "butterfly_all_reduce", "tree_broadcast", "tree_reduce")
 MAX_DIMS = 8
 _REDUCE_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
 

@@ -8,7 +8,7 @@ from parlab.collectives._common import _average, _exchange, _reduce, _scratch
 from parlab.collectives.ring import _prepare, chunk_bounds
 
 
-def butterfly_allreduce(tensor, op="sum", check=True):
+def butterfly_all_reduce(tensor, op="sum", check=True):
     """Butterfly all-reduce: recursive halving (a reduce-scatter), then recursive doubling
     (an all-gather), log2 N rounds each. Returns ``tensor``.
 
@@ -22,7 +22,7 @@ def butterfly_allreduce(tensor, op="sum", check=True):
     its tensor into rank i, ranks 0..P-1 run the butterfly, and rank i sends the result back
     (unfold): 2 log2(P) alpha + 2 (P - 1)/P D beta + 2 (alpha + D beta).
     """
-    flat, op = _prepare("butterfly_allreduce", tensor, op, None, check)
+    flat, op = _prepare("butterfly_all_reduce", tensor, op, None, check)
     rank, N = dist.get_rank(), dist.get_world_size()
     P = 1 << (N.bit_length() - 1)
     if rank >= P:  # an extra rank: fold into rank - P, wait for the unfold

@@ -117,13 +117,13 @@ def ring_all_gather(tensor, check=True, group=None):
     return tensor
 
 
-def ring_allreduce(tensor, op="sum", check=True, group=None):
+def ring_all_reduce(tensor, op="sum", check=True, group=None):
     """Ring all-reduce = ring reduce-scatter, then ring all-gather. Returns ``tensor``.
 
     Each rank sends 2 (N - 1) messages of one chunk each, 2 (N - 1)/N D bytes when N
     divides numel: time 2 (N - 1) alpha + 2 (N - 1)/N D beta, whatever N is.
     """
-    flat, op = _prepare("ring_allreduce", tensor, op, None, check, group)
+    flat, op = _prepare("ring_all_reduce", tensor, op, None, check, group)
     ring_reduce_scatter(flat, op, check=False, group=group)  # the owned chunk is already divided for "avg"
     ring_all_gather(flat, check=False, group=group)
     return tensor

@@ -8,14 +8,14 @@ from parlab.collectives._common import _average, _reduce, _scratch
 from parlab.collectives.ring import _prepare
 
 
-def naive_allreduce(tensor, op="sum", root=0, check=True):
+def naive_all_reduce(tensor, op="sum", root=0, check=True):
     """All-reduce through one rank: every rank sends its tensor to ``root``, the root reduces
     the N tensors and sends the result back to every rank. Returns ``tensor``, now reduced.
 
     Traffic: each other rank sends D and receives D; the root receives (N - 1) D and sends
     (N - 1) D, one message at a time: time 2 (N - 1) (alpha + D beta).
     """
-    flat, op = _prepare("naive_allreduce", tensor, op, root, check)
+    flat, op = _prepare("naive_all_reduce", tensor, op, root, check)
     rank, N = dist.get_rank(), dist.get_world_size()
     if rank != root:
         p2p.send(flat, root)

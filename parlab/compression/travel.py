@@ -7,7 +7,7 @@ compressor's budget, b bytes of an element):
     payload                                 collective        bytes each rank sends
     dense-shaped, same positions on every   ring all-reduce   2 (N - 1)/N L b for L elements
     rank (fp16, random-k with a shared                        (exact when N divides L;
-    seed, int8 signs, PowerSGD's P and Q)                     ``ring_allreduce_sent``)
+    seed, int8 signs, PowerSGD's P and Q)                     ``ring_all_reduce_sent``)
     a different message per rank (top-k's  ring all-gather   (N - 1) B for B bytes per rank
     (values, indices), QSGD's norm and
     levels)
@@ -38,7 +38,7 @@ def all_reduce_sum(tensor, group=None):
     """Sum ``tensor`` over the ranks of ``group`` (default: all) in place with parlab's ring
     all-reduce; returns it."""
     place_in(group)
-    return collectives.ring_allreduce(tensor, check=False, group=group)
+    return collectives.ring_all_reduce(tensor, check=False, group=group)
 
 
 def all_gather(message, group=None):
@@ -71,7 +71,7 @@ def unpack(buffer, layout):
     return parts
 
 
-def ring_allreduce_sent(numel, element_bytes, N):
+def ring_all_reduce_sent(numel, element_bytes, N):
     """Bytes each rank r sends in a ring all-reduce of ``numel`` elements, as a list over r:
     every chunk but its own in the reduce-scatter, every chunk but (r + 1) mod N in the
     all-gather (``collectives.chunk_bounds``). 2 (N - 1)/N numel b when N divides numel."""
@@ -90,7 +90,7 @@ def sent(collectives_of_a_step, N):
     returns), per rank."""
     total = [0] * N
     for collective in collectives_of_a_step:
-        per_rank = (ring_allreduce_sent(*collective[1:], N) if collective[0] == "all-reduce"
+        per_rank = (ring_all_reduce_sent(*collective[1:], N) if collective[0] == "all-reduce"
                     else all_gather_sent(collective[1], N))
         total = [a + b for a, b in zip(total, per_rank)]
     return total

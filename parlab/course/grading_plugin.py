@@ -4,11 +4,11 @@ a JSON report of every graded test for ``parlab grade``.
 Loaded by ``tests/conftest.py`` (``pytest_plugins``) and by ``parlab.course.grade`` (``-p``).
 A grading test file is ``tests/grading/test_<topic>.py``; one class per task:
 
-    @pytest.mark.task("ring_allreduce")                  # the task "<topic>.ring_allreduce"
+    @pytest.mark.task("ring_all_reduce")                  # the task "<topic>.ring_all_reduce"
     class TestRingAllreduce:
         @pytest.mark.points(1)                           # each parametrized case counts once
         def test_matches_dist_all_reduce(self, cluster2, impl):
-            cluster2.run(run_allreduce, impl.ring_allreduce, timeout=3)
+            cluster2.run(run_all_reduce, impl.ring_all_reduce, timeout=3)
 
 ``impl`` is the module ``<--impl DIR>/<topic>.py`` imported by path, never parlab's own
 reference; it is registered with cloudpickle to travel by value, so its functions (and the
@@ -64,7 +64,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", 'task(name): the exercise task a test grades, e.g. "ring_allreduce"')
+    config.addinivalue_line("markers", 'task(name): the exercise task a test grades, e.g. "ring_all_reduce"')
     config.addinivalue_line("markers", "points(n): the points a graded test is worth")
     config.stash[_RESULTS] = {}
     config.stash[_GIVEN_UP] = {}

@@ -124,7 +124,7 @@ class DDP(torch.nn.Module):
     return a handle to ``wait()`` for (asynchronous; the default is ``dist.all_reduce``
     with ``async_op=True``, or, when the cluster emulates its links, parlab's ring
     all-reduce on the rank's communication thread, ``parlab.background``, so that its
-    messages pay the link's time) or return when done (e.g. ``parlab.collectives.ring_allreduce``:
+    messages pay the link's time) or return when done (e.g. ``parlab.collectives.ring_all_reduce``:
     each bucket is then reduced inside backward, and its sends and receives show up in the
     trace too).
     comm_hook: ``comm_hook(bucket) -> reduced bucket``, the flat 1-D bucket of this rank's
@@ -153,7 +153,7 @@ class DDP(torch.nn.Module):
         for name, function in (("all_reduce", all_reduce), ("comm_hook", comm_hook)):
             if function is not None and not callable(function):
                 raise ValueError(f"{name} must be a function, got {function!r}: pass e.g. "
-                                 f"{'parlab.collectives.ring_allreduce' if name == 'all_reduce' else 'a comm hook'}"
+                                 f"{'parlab.collectives.ring_all_reduce' if name == 'all_reduce' else 'a comm hook'}"
                                  " itself, not its result.")
         if all_reduce is not None and comm_hook is not None:
             raise ValueError(
@@ -320,7 +320,7 @@ class AllReduceInFlight:
 
 def _default_all_reduce(group):
     if emulation.shapes_links():
-        return functools.partial(background.start, collectives.ring_allreduce, check=False, group=group)
+        return functools.partial(background.start, collectives.ring_all_reduce, check=False, group=group)
     return functools.partial(dist.all_reduce, async_op=True, group=group)
 
 

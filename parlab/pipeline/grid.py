@@ -42,7 +42,7 @@ import functools
 import torch
 
 from parlab import trace
-from parlab.collectives import ring_allreduce
+from parlab.collectives import ring_all_reduce
 from parlab.ddp import DDP
 from parlab.pipeline.executor import PipelineExecutor
 from parlab.runtime.mesh import Mesh
@@ -74,7 +74,7 @@ class PipelineDataParallel:
         self.replica, self.data_parallel_degree = self.mesh.coordinate("dp"), N_d
         self.pipeline_ranks, self.data_parallel_ranks = self.mesh.ranks("pp"), self.mesh.ranks("dp")
         group = self.mesh.group("dp")
-        average = functools.partial(ring_allreduce, check=False, group=group)
+        average = functools.partial(ring_all_reduce, check=False, group=group)
         self.engines = {s: DDP(stage, variant="flat", all_reduce=average, broadcast_buffers=False, group=group)
                         for s, stage in stages.items() if any(p.requires_grad for p in stage.parameters())}
         self.executor = PipelineExecutor(schedule, stages, loss_fn, checkpoint, ranks=self.pipeline_ranks)

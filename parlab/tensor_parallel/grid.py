@@ -37,7 +37,7 @@ import functools
 import torch
 
 from parlab import trace
-from parlab.collectives import ring_allreduce
+from parlab.collectives import ring_all_reduce
 from parlab.ddp import DDP
 from parlab.runtime.mesh import Mesh
 from parlab.tensor_parallel.model import ParallelGPT
@@ -76,7 +76,7 @@ class TensorDataParallel:
         self.model = ParallelGPT(model, self.tensor_parallel_group, sequence_parallel)
         self.zero, self.optimizer = None, None
         if zero_optimizer is None:
-            average = functools.partial(ring_allreduce, check=False, group=self.data_parallel_group)
+            average = functools.partial(ring_all_reduce, check=False, group=self.data_parallel_group)
             self.engine = DDP(self.model, variant="flat", all_reduce=average, broadcast_buffers=False,
                               group=self.data_parallel_group)
         else:  # the engine starts the column from its first rank's (replica 0's) values

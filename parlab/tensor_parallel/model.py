@@ -52,7 +52,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from parlab import trace
-from parlab.collectives import ring_allreduce
+from parlab.collectives import ring_all_reduce
 from parlab.gpt import GPT, causal_attention
 from parlab.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -183,6 +183,6 @@ class ParallelGPT(nn.Module):
         params = [p for p in self.replicated_parameters() if p.grad is not None]
         with torch.no_grad(), trace.span("sequence-parallel gradients"):
             flat = torch.cat([p.grad.flatten() for p in params])
-            ring_allreduce(flat, check=False, group=self.group)
+            ring_all_reduce(flat, check=False, group=self.group)
             for p, reduced in zip(params, flat.split([p.numel() for p in params])):
                 p.grad.copy_(reduced.view_as(p))

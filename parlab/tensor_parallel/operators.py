@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from parlab import trace
-from parlab.collectives import ring_all_gather, ring_allreduce, ring_reduce_scatter
+from parlab.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 
 __all__ = ["all_reduce", "all_gather_sequence", "copy_to_parallel", "gather_sequence", "reduce_from_parallel",
            "reduce_scatter_sequence", "scatter_sequence", "f", "g"]
@@ -40,7 +40,7 @@ def all_reduce(x, group=None, op="sum"):
         return x
     reduced = x.contiguous().clone()
     with trace.span("all-reduce"):
-        ring_allreduce(reduced, op, check=False, group=group)
+        ring_all_reduce(reduced, op, check=False, group=group)
     return reduced
 
 

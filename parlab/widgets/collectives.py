@@ -8,7 +8,7 @@ alpha-beta model of every all-reduce algorithm with measured times laid over it.
 """
 
 from parlab._checks import real_number, whole_number
-from parlab.alpha_beta import ALLREDUCE_ALGORITHMS, cost_model
+from parlab.alpha_beta import ALL_REDUCE_ALGORITHMS, cost_model
 from parlab.collectives import ring_contributions, ring_steps
 from parlab.widgets._common import FIT, Feedback, import_ipywidgets, in_range, log_slider, png, show_static
 
@@ -118,7 +118,7 @@ def ring_widget(N=4):
 
 def plot_alpha_beta(N, alpha, beta, sizes, measured=None, ax=None):
     """Predicted all-reduce time against message size D (bytes in ``sizes``) on N ranks, one
-    line per algorithm of ``ALLREDUCE_ALGORITHMS`` (``cost_model``), on log-log axes.
+    line per algorithm of ``ALL_REDUCE_ALGORITHMS`` (``cost_model``), on log-log axes.
     ``measured``: rows with world_size, bytes, algorithm and seconds (the rows of
     ``parlab.bench.collectives.bench_collectives``); those at this N are drawn as points in
     their algorithm's colour, torch's ``dist.all_reduce`` in black. Returns the axes.
@@ -131,7 +131,7 @@ def plot_alpha_beta(N, alpha, beta, sizes, measured=None, ax=None):
                          f"not {sizes!r}.")
     if ax is None:
         _, ax = plt.subplots(figsize=(7.5, 4.2), layout="constrained")
-    for algorithm in ALLREDUCE_ALGORITHMS:
+    for algorithm in ALL_REDUCE_ALGORITHMS:
         ax.plot(sizes, [cost_model(algorithm, D, N, alpha, beta) for D in sizes], lw=2,
                 **ALGORITHM_STYLES[algorithm], label=f"model: {ALGORITHM_LABELS[algorithm]}")
     points = {"torch": ("x", "black", "torch dist.all_reduce")}
@@ -154,7 +154,7 @@ def plot_alpha_beta(N, alpha, beta, sizes, measured=None, ax=None):
 def prediction_table(N, alpha, beta, D):
     """HTML table of each algorithm's predicted time for D bytes on N ranks, split into its
     latency term (the alpha part) and bandwidth term (the beta part); the fastest in bold."""
-    times = {a: cost_model(a, D, N, alpha, beta) for a in ALLREDUCE_ALGORITHMS}
+    times = {a: cost_model(a, D, N, alpha, beta) for a in ALL_REDUCE_ALGORITHMS}
     fastest = min(times, key=times.get)
     rows = []
     for algorithm, seconds in times.items():

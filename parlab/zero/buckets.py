@@ -247,7 +247,7 @@ class AllReduceBuckets:
         """On the communication thread: the ring all-reduce (average) of the flat gradient's
         range [start, end), bucket ``bucket``'s."""
         with trace.span("all-reduce gradients", stage=bucket):
-            collectives.ring_allreduce(self.flat_grad[start:end], op="avg", check=False, group=self.group)
+            collectives.ring_all_reduce(self.flat_grad[start:end], op="avg", check=False, group=self.group)
 
     def finish(self):
         """Launch the buckets of the round not launched yet (a parameter without a gradient

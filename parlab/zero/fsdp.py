@@ -107,7 +107,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from parlab import _checks, background, p2p, runtime, trace
-from parlab.collectives import ring_all_gather, ring_allreduce, ring_reduce_scatter
+from parlab.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from parlab.flat import FlatLayout
 from parlab.memory import measure_model_state
 from parlab.zero.strategies import STRATEGIES, _process_groups, _shard_group_size  # noqa: F401 - STRATEGIES: imported from here by parlab.bench
@@ -442,7 +442,7 @@ class FlatUnit:
                 ring_reduce_scatter(flat_gradient, op="avg", check=False, group=self.shard_group)
             mine = self.layout.shard(flat_gradient, self.rank)
             if self.replicas > 1:
-                ring_allreduce(mine, op="avg", check=False, group=self.replicate_group)
+                ring_all_reduce(mine, op="avg", check=False, group=self.replicate_group)
             # a copy unless it is the whole buffer: a view would keep the full gradient alive
             mine = mine.to(self.shard.device, self.shard.dtype, copy=S > 1)
             self.shard.grad = mine if self.shard.grad is None else self.shard.grad.add_(mine)

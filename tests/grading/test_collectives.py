@@ -62,19 +62,19 @@ class TestRingAllGather:
         check_ring_traffic(cluster, impl.ring_all_gather, "all-gather", all_gather_sends)
 
 
-@pytest.mark.task("ring_allreduce")
+@pytest.mark.task("ring_all_reduce")
 class TestRingAllreduce:
     @pytest.mark.points(1)
     @pytest.mark.parametrize("cluster", WORLD_SIZES, indirect=True, ids=ranks)
     def test_matches_dist_all_reduce(self, cluster, impl):
         N = cluster.world_size
-        for rank, before, after, expected in run_cases(cluster, reduce_on_rank, impl.ring_allreduce):
+        for rank, before, after, expected in run_cases(cluster, reduce_on_rank, impl.ring_all_reduce):
             check(after, expected, before, f"{N} ranks, {before.numel()} elements: rank {rank}")
 
     @pytest.mark.points(1)
     @pytest.mark.parametrize("cluster", TRAFFIC_WORLD_SIZES, indirect=True, ids=ranks)
     def test_sends_two_n_minus_one_chunks(self, cluster, impl):
-        check_ring_traffic(cluster, impl.ring_allreduce, "all-reduce", allreduce_sends)
+        check_ring_traffic(cluster, impl.ring_all_reduce, "all-reduce", all_reduce_sends)
 
 
 # --- On the ranks -------------------------------------------------------------------------
@@ -163,7 +163,7 @@ def all_gather_sends(rank, N):
     return [(rank - j) % N for j in range(N - 1)]
 
 
-def allreduce_sends(rank, N):
+def all_reduce_sends(rank, N):
     """The chunks rank sends in a ring all-reduce: the reduce-scatter's, then the all-gather's."""
     return reduce_scatter_sends(rank, N) + all_gather_sends(rank, N)
 

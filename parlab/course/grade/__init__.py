@@ -2,7 +2,7 @@
 
     parlab grade [TOPIC[.TASK]] [--impl DIR]      every topic when none is named
     parlab hint TOPIC.TASK [--level L]            a hint for a task, one level at a time
-    parlab.check("collectives.ring_allreduce")    grading from a notebook cell (parlab.hint for hints)
+    parlab.check("collectives.ring_all_reduce")    grading from a notebook cell (parlab.hint for hints)
 
 ``--impl`` is the directory whose ``<topic>.py`` is graded: ``exercises`` (yours, the
 default) or ``solutions``. The table has one row per task, points earned out of points
@@ -50,7 +50,7 @@ class Score:
 
 
 def check(name=None, impl="exercises", root=ROOT, hint=NOTEBOOK_HINT):
-    """Grade topic ``name`` ("collectives"), one task of it ("collectives.ring_allreduce"),
+    """Grade topic ``name`` ("collectives"), one task of it ("collectives.ring_all_reduce"),
     or every topic (None), printing a line per task as it finishes, then the points table,
     whose reasons end with ``hint`` (the task in place of ``{task}``). Returns the ``Score``.
     A name that is no topic or task raises ValueError naming the closest, before grading."""
@@ -90,7 +90,7 @@ def check_name(name, root=ROOT):
     if name is None:
         return
     if not isinstance(name, str):
-        raise ValueError(f"name a topic or a task as text, such as 'collectives' or 'collectives.ring_allreduce', "
+        raise ValueError(f"name a topic or a task as text, such as 'collectives' or 'collectives.ring_all_reduce', "
                          f"not {name!r}.")
     topic = name.partition(".")[0]
     topics = grading_topics(root)

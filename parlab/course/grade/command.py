@@ -31,7 +31,7 @@ _CLASS_OPTIONS = ("reports", "deadline", "deadlines", "late_penalty")
 
 def add_grade_arguments(parser):
     parser.add_argument("name", nargs="?", metavar="TOPIC[.TASK]",
-                        help='a topic ("collectives") or one of its tasks ("collectives.ring_allreduce"); '
+                        help='a topic ("collectives") or one of its tasks ("collectives.ring_all_reduce"); '
                              "every topic when left out")
     parser.add_argument("--impl", metavar="DIR",
                         help="the folder whose <topic>.py is graded (default: exercises, yours)")
