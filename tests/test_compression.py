@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import parlab.compression
 from parlab.compression import (
     BF16,
     FP16,
@@ -25,7 +26,8 @@ from parlab.compression import (
     topk_pays,
     torch_hook,
 )
-from parlab.compression.travel import all_gather_sent, pack, ring_all_reduce_sent, seconds, sent, unpack
+from parlab.compression.communication import pack, unpack
+from parlab.compression.costs import all_gather_sent, ring_all_reduce_sent, seconds, sent
 
 D, SAMPLES = 24, 4000
 SIGMAS = 5  # a 5-standard-error miss happens about once in 1.7 million: a failure means a bug
@@ -181,6 +183,48 @@ def test_powersgd_sizes_are_torchs_rule():
     assert PowerSGD(2).bytes(torch.zeros(4680), shapes) == 4 * 472
 
 
+# one of each compressor class that parlab.compression exports (the abstract Compressor aside)
+EVERY_COMPRESSOR = {
+    "BF16": BF16, "FP16": FP16, "Identity": Identity, "QSGD": lambda: QSGD(4), "RandK": lambda: RandK(10),
+    "ScaledSign": ScaledSign, "SignSGD": SignSGD, "TernGrad": TernGrad, "TopK": lambda: TopK(10),
+    "PowerSGD": lambda: PowerSGD(2), "ErrorFeedback": lambda: ErrorFeedback(TopK(10)),
+}
+BUCKET = [(64, 64), (64,), (8, 64), (8,)]  # an MLP 64-64-8's parameters, as a DDP bucket holds them
+
+
+def test_every_exported_compressor_is_in_the_signature_test():
+    exported = {name for name in parlab.compression.__all__
+                if isinstance(getattr(parlab.compression, name), type) and name != "Compressor"}
+    assert exported == set(EVERY_COMPRESSOR)
+
+
+@pytest.mark.parametrize("name", sorted(EVERY_COMPRESSOR))
+def test_every_compressor_takes_shapes_by_position_or_by_name(name):
+    x = torch.zeros(math.prod(BUCKET[0]) + 64 + math.prod(BUCKET[2]) + 8)
+    make = EVERY_COMPRESSOR[name]
+    for shapes in ([tuple(x.shape)], BUCKET):
+        by_name, by_position = make().bytes(x, shapes=shapes), make().bytes(x, shapes)
+        assert by_name == by_position and by_name > 0
+        assert make().collectives(x, shapes=shapes) == make().collectives(x, shapes)
+        assert make().sent_bytes(x, 4, shapes=shapes) == make().sent_bytes(x, 4, shapes)
+    if name != "PowerSGD":  # elementwise: a bucket is one vector of d elements, whatever it holds
+        assert make().bytes(x) == make().bytes(x, shapes=BUCKET) == make().bytes(x, [tuple(x.shape)])
+        assert make().collectives(x) == make().collectives(x, shapes=BUCKET)
+        assert make().sent_bytes(x, 4) == make().sent_bytes(x, 4, shapes=BUCKET)
+
+
+def test_powersgd_bytes_are_its_formula_and_error_feedback_forwards_the_shapes():
+    # 4 bytes per element: (n + m) R for each compressed G, the 1-D biases whole
+    x, R = torch.zeros(4680), 2
+    formula = 4 * ((64 + 64) * R + 64 + (8 + 64) * R + 8)
+    assert PowerSGD(R).bytes(x, shapes=BUCKET) == ErrorFeedback(PowerSGD(R)).bytes(x, shapes=BUCKET) == formula
+    assert ErrorFeedback(PowerSGD(R)).sent_bytes(x, 4, shapes=BUCKET) == PowerSGD(R).sent_bytes(x, 4, BUCKET)
+    # without shapes x is one gradient: a 40 x 25 matrix is G itself, a vector travels whole
+    matrix = torch.zeros(40, 25)
+    assert PowerSGD(R).bytes(matrix) == PowerSGD(R).bytes(matrix, [(40, 25)]) == 4 * (40 + 25) * R
+    assert PowerSGD(R).bytes(matrix.reshape(-1)) == 4 * 1000
+
+
 def test_powersgd_finds_a_low_rank_matrix_and_orthogonalizes():
     generator = torch.Generator().manual_seed(5)
     M = torch.randn(30, 2, generator=generator) @ torch.randn(2, 20, generator=generator)
@@ -200,6 +244,12 @@ def test_powersgd_finds_a_low_rank_matrix_and_orthogonalizes():
     (lambda: ErrorFeedback(TopK(1))(torch.ones(2), gamma=0), "gamma"),
     (lambda: PowerSGD(0), "rank"),
     (lambda: PowerSGD(1).bytes(torch.zeros(10), [(3, 3)]), "do not add up to the 10 elements"),
+    (lambda: TopK(2).bytes(torch.zeros(10), shapes=[(3, 3)]), "do not add up to the 10 elements"),
+    # one shape where a list of them is expected (x.shape, or a single (n, m))
+    (lambda: PowerSGD(1).bytes(torch.zeros(12), torch.Size([3, 4])), r"shapes must be a list of the shapes"),
+    (lambda: TopK(2).sent_bytes(torch.zeros(12), 4, shapes=(3, 4)), r"e.g. \[p.shape for p in model.parameters\(\)\]"),
+    (lambda: ErrorFeedback(PowerSGD(1)).collectives(torch.zeros(12), shapes="3x4"), "shapes must be a list"),
+    (lambda: FP16().aggregate(torch.zeros(12), shapes=[(3, 4.0)]), "shapes must be a list"),
     (lambda: parlab_hook(lambda x: x), "a comm hook needs a compressor"),
     (lambda: torch_hook("fp16"), "a comm hook needs a compressor"),
 ])

@@ -48,8 +48,8 @@ from parlab.compression import (
     PowerSGD,
     ScaledSign,
     TopK,
+    costs,
     parlab_hook,
-    travel,
 )
 from parlab.ddp import DDP
 from parlab.runtime.emulation import Link, compute
@@ -167,16 +167,13 @@ def measure(cluster, names, steps, hidden=256, depth=2, batch_size=16, compute_s
 def predicted_step(compressor, N, link, hidden=256, depth=2, compute_s=0.0):
     """(bytes each rank sends, seconds) of one step of the bench's MLP with ``compressor`` on
     ``link`` at N ranks, by the alpha-beta model: the declared compute plus the compressor's
-    collectives (``parlab.compression.travel.seconds``), one bucket of the parameters in
+    collectives (``parlab.compression.costs.seconds``), one bucket of the parameters in
     reverse order, as parlab's DDP fills it. It leaves out this machine's CPU work: forward,
     backward, compressing, and the Python and gloo of each message."""
     shapes = [tuple(p.shape) for p in mlp(hidden, depth).parameters()][::-1]
     flat = torch.zeros(sum(torch.Size(s).numel() for s in shapes))
-    if isinstance(getattr(compressor, "compressor", compressor), PowerSGD):
-        collectives = compressor.collectives(flat, shapes)
-    else:
-        collectives = compressor.collectives(flat)
-    return travel.sent(collectives, N)[0], compute_s + travel.seconds(collectives, N, link.latency, link.bandwidth)
+    collectives = compressor.collectives(flat, shapes)
+    return costs.sent(collectives, N)[0], compute_s + costs.seconds(collectives, N, link.latency, link.bandwidth)
 
 
 def _cumulative(seconds):

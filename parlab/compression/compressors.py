@@ -4,8 +4,9 @@ Every compressor is called on a gradient x of d elements and returns what a rece
 reconstructs from its message, a tensor shaped like x; ``bytes(x)`` is the exact size of that
 message. In training, w_{t+1} = w_t - gamma * (1/N) sum_r C(g_r): each rank r compresses its
 gradient g_r and ``aggregate(g_r)`` returns, on every rank, the average of the N
-reconstructions, communicated as ``parlab.compression.travel`` describes (``sent_bytes(x, N)``
-is what each rank sends, equal to the trace's count). Symbols: N ranks, d elements, k the
+reconstructions, communicated as ``parlab.compression.communication`` describes
+(``sent_bytes(x, N)`` is what each rank sends, equal to the trace's count;
+``parlab.compression.costs`` has the formulas). Symbols: N ranks, d elements, k the
 compressor's budget (elements kept), q QSGD's levels (the paper's s), gamma the learning rate.
 On one axis of a ``parlab.Mesh``, ``aggregate(g_r, group=mesh.group("dp"))`` averages over
 that group's ranks only: N is then the group's size.
@@ -23,13 +24,21 @@ that group's ranks only: N is then the group's size.
 
 A biased compressor (top-k, signs) drops the same part of the gradient step after step;
 ``ErrorFeedback`` keeps what was dropped and adds it back to the next step's gradient.
+
+One contract for every compressor, PowerSGD and ``ErrorFeedback`` included: ``bytes(x,
+shapes=None)``, ``collectives(x, shapes=None)``, ``sent_bytes(x, N, shapes=None)`` and
+``aggregate(x, key=0, shapes=None, group=None)``. ``shapes`` lists the shapes of the
+gradients that x holds, in order (a DDP bucket holds several: ``[p.shape for p in
+model.parameters()]``); PowerSGD needs them to view each gradient as a matrix, the
+compressors here check them (``gradient_shapes``) and treat x as one vector of d elements.
 """
 
 import torch
 import torch.distributed as dist
 
 from parlab._checks import real_number, whole_number
-from parlab.compression.travel import all_gather, all_reduce_sum, pack, place_in, sent, unpack
+from parlab.compression.communication import all_gather, all_reduce_sum, pack, place_in, unpack
+from parlab.compression.costs import sent
 
 
 class Compressor:
@@ -44,17 +53,20 @@ class Compressor:
         message, context = self.encode(x)
         return self.decode(message, context, x)
 
-    def bytes(self, x):
-        """Bytes of this rank's message for ``x``."""
+    def bytes(self, x, shapes=None):
+        """Bytes of this rank's message for ``x`` (``shapes``: see the module's docstring)."""
+        gradient_shapes(x, shapes)
         return sum(numel * dtype.itemsize for numel, dtype in self.layout(x))
 
     def aggregate(self, x, key=0, shapes=None, group=None):
         """(mean, own) on every rank: the average over ranks of the reconstructions of each
         rank's ``x``, and this rank's own reconstruction C(x) (what error feedback subtracts).
         ``key`` names the tensor for compressors that keep state per tensor (a DDP bucket);
-        ``shapes``, the parameters a bucket holds, matter to PowerSGD only: the compressors
-        here treat a bucket as one vector of d elements. ``group``: the ranks to average
-        over (default: all of them), e.g. ``mesh.group("dp")``; called by its members only."""
+        ``shapes``, those of the parameters a bucket holds, matter to PowerSGD only: the
+        compressors here check them and treat a bucket as one vector of d elements. ``group``:
+        the ranks to average over (default: all of them), e.g. ``mesh.group("dp")``; called by
+        its members only."""
+        gradient_shapes(x, shapes)
         _, N = place_in(group)
         message, context = self.encode(x)
         own = self.decode(message, context, x)
@@ -63,17 +75,18 @@ class Compressor:
         rows = all_gather(pack(*message), group)  # (N, bytes of one message)
         return sum(self.decode(unpack(row, self.layout(x)), context, x) for row in rows) / N, own
 
-    def collectives(self, x):
+    def collectives(self, x, shapes=None):
         """The collectives ``aggregate`` makes for ``x``: [("all-reduce", numel, element
-        bytes)] or [("all-gather", message bytes)], for ``travel.sent`` and ``travel.seconds``."""
+        bytes)] or [("all-gather", message bytes)], for ``costs.sent`` and ``costs.seconds``."""
+        gradient_shapes(x, shapes)
         if self.all_reduced:
             ((numel, dtype),) = self.layout(x)
             return [("all-reduce", numel, dtype.itemsize)]
         return [("all-gather", self.bytes(x))]
 
-    def sent_bytes(self, x, N):
+    def sent_bytes(self, x, N, shapes=None):
         """Bytes each rank sends in ``aggregate`` of a tensor shaped like ``x``, per rank."""
-        return sent(self.collectives(x), N)
+        return sent(self.collectives(x, shapes), N)
 
     def __repr__(self):
         return f"{type(self).__name__}()"
@@ -108,6 +121,7 @@ class FP16(Compressor):
         return message[0].to(x.dtype).view_as(x)
 
     def aggregate(self, x, key=0, shapes=None, group=None):
+        gradient_shapes(x, shapes)
         # As torch's fp16_compress_hook: divide by N before the 16-bit sum, so that N large
         # values cannot overflow it, then the sum is already the mean.
         payload = x.reshape(-1).to(self.dtype).div_(place_in(group)[1])
@@ -271,6 +285,7 @@ class SignSGD(Compressor):
         return message[0].sign().to(x.dtype).view_as(x)
 
     def aggregate(self, x, key=0, shapes=None, group=None):
+        gradient_shapes(x, shapes)
         if place_in(group)[1] > 127:
             raise ValueError("signSGD's votes are summed in int8: use at most 127 ranks.")
         (votes,), _ = self.encode(x)
@@ -302,18 +317,19 @@ class ErrorFeedback:
 
     def aggregate(self, g, key=0, shapes=None, gamma=1.0, group=None):
         p = self._corrected(g, gamma, key)
-        mean, own = self.compressor.aggregate(p, key, shapes, group=group)
+        mean, own = self.compressor.aggregate(p, key, shapes=shapes, group=group)
         self.residuals[key] = p - own
         return mean, own
 
-    def bytes(self, x, *shapes):
-        return self.compressor.bytes(x, *shapes)
+    def bytes(self, x, shapes=None):
+        """The wrapped compressor's: error feedback changes what is sent, not its size."""
+        return self.compressor.bytes(x, shapes=shapes)
 
-    def sent_bytes(self, x, N, *shapes):
-        return self.compressor.sent_bytes(x, N, *shapes)
+    def sent_bytes(self, x, N, shapes=None):
+        return self.compressor.sent_bytes(x, N, shapes=shapes)
 
-    def collectives(self, x, *shapes):
-        return self.compressor.collectives(x, *shapes)
+    def collectives(self, x, shapes=None):
+        return self.compressor.collectives(x, shapes=shapes)
 
     def _corrected(self, g, gamma, key):
         real_number("gamma (the learning rate)", gamma, "pass a step size above 0, e.g. 0.1.", above=True)
@@ -324,3 +340,24 @@ class ErrorFeedback:
 
     def __repr__(self):
         return f"ErrorFeedback({self.compressor!r})"
+
+
+def gradient_shapes(x, shapes=None):
+    """The shapes of the gradients that ``x`` holds, in order, as a list of tuples: ``shapes``
+    (a list or tuple of shapes whose elements add up to x's), checked, or [x.shape] when it is
+    None (x is one gradient)."""
+    if shapes is None:
+        return [tuple(x.shape)]
+    if not isinstance(shapes, (list, tuple)) or not all(_is_shape(shape) for shape in shapes):
+        raise ValueError(f"shapes must be a list of the shapes of the gradients that the tensor holds, in order, "
+                         f"e.g. [p.shape for p in model.parameters()] ([x.shape], or nothing, for one gradient); "
+                         f"got {shapes!r}.")
+    if sum(torch.Size(shape).numel() for shape in shapes) != x.numel():
+        raise ValueError(f"shapes {list(shapes)} do not add up to the {x.numel()} elements of the tensor: pass the "
+                         "shapes of the parameters whose gradients it holds, in order.")
+    return [tuple(shape) for shape in shapes]
+
+
+def _is_shape(shape):
+    return isinstance(shape, (list, tuple)) and all(
+        isinstance(size, int) and not isinstance(size, bool) and size >= 0 for size in shape)

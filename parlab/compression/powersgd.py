@@ -23,7 +23,9 @@ import functools
 import torch
 
 from parlab._checks import real_number, whole_number
-from parlab.compression.travel import all_reduce_sum, place_in, sent
+from parlab.compression.communication import all_reduce_sum, place_in
+from parlab.compression.compressors import gradient_shapes
+from parlab.compression.costs import sent
 
 
 def orthogonalize(P, eps=1e-8):
@@ -38,7 +40,14 @@ def orthogonalize(P, eps=1e-8):
 
 
 class PowerSGD:
-    """Rank-``rank`` (R) PowerSGD. ``seed``: the first Q's random values, the same on every rank."""
+    """PowerSGD of rank R = ``rank``: the approximation's rank, the columns of P and Q (the
+    glossary's R, torch's ``matrix_approximation_rank``; not a process's rank r). ``seed``: the
+    first Q's random values, the same on every rank. ``min_compression_rate``: torch's rule for
+    which matrices are compressed (see the module's docstring).
+
+    It takes ``shapes``, the shapes of the gradients that x holds (a DDP bucket holds several),
+    as every compressor does (``parlab.compression.compressors``): it views each gradient as a
+    matrix G; without them x is one gradient, G its own shape."""
 
     def __init__(self, rank=1, seed=0, min_compression_rate=2.0):
         whole_number("rank (R)", rank, "the approximation's rank: a whole number such as 1, 2 or 4.")
@@ -82,13 +91,14 @@ class PowerSGD:
         return mean, mean
 
     def bytes(self, x, shapes=None):
-        """Bytes of this rank's P's, Q's and uncompressed tensors (fp32)."""
-        return 4 * self.compression_sizes(_shapes(x, shapes))[1]
+        """Bytes of this rank's P's, Q's and uncompressed tensors (fp32): 4 times the elements
+        after compression of ``compression_sizes``, (n + m) R' per compressed G."""
+        return 4 * self.compression_sizes(gradient_shapes(x, shapes))[1]
 
     def collectives(self, x, shapes=None):
         """A ring all-reduce of the uncompressed tensors and the P's, then one of the Q's (none
         when nothing is compressed), as ``Compressor.collectives``."""
-        shapes = _shapes(x, shapes)
+        shapes = gradient_shapes(x, shapes)
         plans = self.plan(shapes)
         first = sum(torch.Size(tuple(s)).numel() if p is None else p[0] * p[2] for s, p in zip(shapes, plans))
         second = sum(p[1] * p[2] for p in plans if p is not None)
@@ -99,19 +109,19 @@ class PowerSGD:
         return sent(self.collectives(x, shapes), N)
 
     def _approximate(self, x, key, shapes, reduce, N):
-        shapes = _shapes(x, shapes)
+        shapes = gradient_shapes(x, shapes)
         plans = self.plan(shapes)
         pieces = x.detach().reshape(-1).float().split([torch.Size(tuple(s)).numel() for s in shapes])
         matrices = [piece.view(p[0], p[1]) for piece, p in zip(pieces, plans) if p is not None]
         Qs = self._warm_start(key, plans)
-        # all-reduce #1: the uncompressed tensors and every P_i = M_i Q, in one buffer
+        # all-reduce #1: the uncompressed tensors and every P_i = G_i Q (i: the i-th compressed G), in one buffer
         uncompressed = [piece for piece, p in zip(pieces, plans) if p is None]
         first = reduce(torch.cat(uncompressed + [(G @ Q).reshape(-1) for G, Q in zip(matrices, Qs)]))
         numels = [u.numel() for u in uncompressed] + [G.shape[0] * Q.shape[1] for G, Q in zip(matrices, Qs)]
         parts = list(first.split(numels))
         means = [part / N for part in parts[: len(uncompressed)]]
         Ps = [orthogonalize(part.view(G.shape[0], -1)) for part, G in zip(parts[len(uncompressed):], matrices)]
-        # all-reduce #2: every Q_i = M_i^T P, averaged
+        # all-reduce #2: every Q_i = G_i^T P, averaged
         if matrices:
             second = reduce(torch.cat([(G.T @ P).reshape(-1) for G, P in zip(matrices, Ps)])) / N
             Qs = [q.view(G.shape[1], -1) for q, G in zip(second.split([G.shape[1] * P.shape[1]
@@ -131,12 +141,3 @@ class PowerSGD:
 
     def __repr__(self):
         return f"PowerSGD(rank={self.rank})"
-
-
-def _shapes(x, shapes):
-    if shapes is None:
-        return [tuple(x.shape)]
-    if sum(torch.Size(tuple(s)).numel() for s in shapes) != x.numel():
-        raise ValueError(f"shapes {list(shapes)} do not add up to the {x.numel()} elements of the tensor: pass the "
-                         "shapes of the parameters whose gradients it holds, in order.")
-    return list(shapes)
