@@ -177,7 +177,7 @@ def train_grid_with_zero(zero):
     the averaged gradients: (parameters, optimizer-state elements on this rank)."""
     optimizer_kwargs = {"lr": 1e-2}
     if zero:
-        grid = TensorDataParallel(build_gpt(), 2, zero_optimizer=torch.optim.Adam, **optimizer_kwargs)
+        grid = TensorDataParallel(build_gpt(), 2, optimizer_class=torch.optim.Adam, **optimizer_kwargs)
     else:
         grid = TensorDataParallel(build_gpt(), 2)
     optimizer = grid.optimizer or torch.optim.Adam(grid.model.parameters(), **optimizer_kwargs)

@@ -1,7 +1,7 @@
 """parlab.zero.FSDP on real ranks: every strategy and wrap policy trains a toy model with a
 tied weight, a root parameter and uneven unit sizes exactly like one process on the full
 batch (and like torch's fully_shard); memory at rest is the ZeRO formula; the trace shows
-the traffic (3, 2 transfers per unit) and the flow (gather right before each unit, free
+the traffic (3, 2 transfers per unit) and the flow (unshard right before each unit, reshard
 after); mixed precision, deferred init, CPU offload, state dicts and learner errors."""
 
 import copy
@@ -356,7 +356,7 @@ def test_traffic_is_three_transfers_full_shard_two_shard_grad_op(world, request)
 
 def watched_step(strategy, prefetch):
     """One step with each unit's forward entry marked (a hook after FSDP's: the unit is
-    gathered by then); the storage of every unit's full buffer after forward and after
+    unsharded by then); the storage of every unit's full buffer after forward and after
     backward."""
     engine = FSDP(build(seed=0), torch.optim.SGD, strategy=strategy, wrap_policy="per_layer", prefetch=prefetch,
                   lr=0.1)
@@ -377,11 +377,11 @@ def mark_entry(unit, module, args):
 
 
 @pytest.mark.timeout(60)
-def test_gathers_unit_by_unit_right_before_use_and_frees_after(cluster2):
+def test_unshards_unit_by_unit_right_before_use_and_reshards_after(cluster2):
     """Without prefetch (``prefetch=False``) every collective runs where it is needed."""
     # units: 0 the root (tied embedding/output weight, scale), 1 block.0, 2 block.2, 3 norm
     forward = [("all-gather", u) if i % 2 == 0 else ("enter", u) for u in range(4) for i in range(2)]
-    flows = {  # backward: the root first (its output), then each unit's gather right before its reduce-scatter
+    flows = {  # backward: the root first (its output), then each unit's unshard right before its reduce-scatter
         "FULL_SHARD": forward + [("all-gather", 0), ("all-gather", 3), ("reduce-scatter", 3),
                                  ("all-gather", 2), ("reduce-scatter", 2), ("all-gather", 1), ("reduce-scatter", 1),
                                  ("reduce-scatter", 0)],
@@ -394,16 +394,16 @@ def test_gathers_unit_by_unit_right_before_use_and_frees_after(cluster2):
             spans = [(ev.name, ev.stage) for ev in timeline.select(rank=rank) if ev.name in ("all-gather", "enter",
                                                                                             "reduce-scatter")]
             assert spans == flow, strategy
-            assert_gathered_in_use_and_freed_after(strategy, after_forward, after_backward, entered)
+            assert_unsharded_in_use_and_resharded_after(strategy, after_forward, after_backward, entered)
 
 
 @pytest.mark.timeout(60)
-def test_prefetch_gathers_the_next_unit_before_this_one_computes(cluster2):
+def test_prefetch_unshards_the_next_unit_before_this_one_computes(cluster2):
     """With prefetch (the default) the collectives run on the communication thread, one at a
     time in the order they were started: in forward each unit's entry starts the next unit's
     all-gather; in backward each unit's (the reverse of the order the units returned from
     forward: root, norm, block.2, block.0) starts the next one's before its own backward, and
-    a unit's reduce-scatter runs while the next unit computes. A unit still enters gathered."""
+    a unit's reduce-scatter runs while the next unit computes. A unit still enters unsharded."""
     forward = [("all-gather", u) for u in range(4)]
     flows = {
         "FULL_SHARD": forward + [("all-gather", 0), ("all-gather", 3), ("all-gather", 2), ("reduce-scatter", 3),
@@ -421,16 +421,16 @@ def test_prefetch_gathers_the_next_unit_before_this_one_computes(cluster2):
             assert [ev.stage for ev in enters] == [0, 1, 2, 3]
             for unit, enter in enumerate(enters):  # entered after its first all-gather ended
                 assert collectives[unit].end <= enter.start
-            assert_gathered_in_use_and_freed_after(strategy, after_forward, after_backward, entered)
+            assert_unsharded_in_use_and_resharded_after(strategy, after_forward, after_backward, entered)
 
 
-def assert_gathered_in_use_and_freed_after(strategy, after_forward, after_backward, entered):
+def assert_unsharded_in_use_and_resharded_after(strategy, after_forward, after_backward, entered):
     assert all(entered), "a unit computed without its parameters"
     assert all(after_backward[u] == 0 for u in range(4)), "full parameters kept after backward"
     if strategy == "FULL_SHARD":
         assert after_forward == [0] * 4, "full parameters kept between forward and backward"
     else:
-        assert after_forward == entered, "SHARD_GRAD_OP must keep the gathered parameters for backward"
+        assert after_forward == entered, "SHARD_GRAD_OP must keep the unsharded parameters for backward"
 
 
 # --- mixed precision, deferred init ----------------------------------------------------------

@@ -37,7 +37,7 @@ def trained_both_ways(make):
         engine, optimizer = make(callers)
         for _ in range(STEPS):
             engine.zero_grad()
-            F.mse_loss(engine(x), y).backward()  # from step 2 on, the forward gathers the caller's update first
+            F.mse_loss(engine(x), y).backward()  # from step 2 on, the forward unshards the caller's update first
             engine.finish_gradient_synchronization()
             optimizer.step()
         results[callers] = engine.full_parameters()

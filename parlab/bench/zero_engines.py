@@ -27,7 +27,7 @@ from parlab.memory import measure_model_state, storage_bytes
 from parlab.numerics import backward_in_shards, ring_orders
 from parlab.runtime import emulation
 from parlab.zero import FSDP, ZeroDP
-from parlab.zero.fsdp import STRATEGIES
+from parlab.zero.strategies import STRATEGIES
 
 SEED, DATA_SEED = 0, 1234
 LECTURE_SIZES = (64, 256, 256, 256, 8)  # Psi = 150,280; its units differ in size (section 11's peak)
@@ -184,7 +184,7 @@ def train_and_measure(name, steps=LECTURE_STEPS, lr=LECTURE_LR, **options):
     held, gathered = [], []
     if name in PARLAB_ENGINES:  # a hook on the engine fires when its whole forward has returned
         engine.register_forward_hook(lambda module, args, output: held.append(full_parameter_bytes(engine)))
-    for unit in getattr(engine, "units", []):  # a unit's own pre-hook runs after FSDP's gather
+    for unit in getattr(engine, "units", []):  # a unit's own pre-hook runs after FSDP's unshard
         unit.module.register_forward_pre_hook(lambda module, args, unit=unit: gathered.append(
             (unit.full.dtype, unit.full.untyped_storage().nbytes())))
     losses = train(engine, lecture_batch(), steps)

@@ -24,7 +24,7 @@ column: one ring all-reduce of one flat buffer (``parlab.ddp.DDP(variant="flat")
 column, lecture 02's engine). Every rank then holds the full-batch gradient of its shard, as
 one process would.
 
-ZeRO stage 1 on the data axis (``zero_optimizer``, lecture 04): the N_d ranks of a column
+ZeRO stage 1 on the data axis (``optimizer_class``, lecture 04): the N_d ranks of a column
 hold the same tensor-parallel shard, so they also split its optimizer state N_d ways. The
 column runs ``parlab.zero.ZeroDP(..., stage=1, group=column)`` over its ``ParallelGPT``: the
 all-reduce becomes its two halves, a reduce-scatter that leaves rank d the averaged gradient
@@ -55,7 +55,7 @@ class TensorDataParallel:
     Attributes: ``mesh``, ``replica`` (d), ``tensor_parallel_ranks`` (this row),
     ``data_parallel_ranks`` (this column), ``model`` (this rank's ``ParallelGPT``).
 
-    ``zero_optimizer``: an optimizer class (e.g. torch.optim.Adam, with ``optimizer_kwargs``)
+    ``optimizer_class``: an optimizer class (e.g. torch.optim.Adam, with ``optimizer_kwargs``)
     for ZeRO stage 1 along the column (module docstring); then ``step`` also takes the
     optimizer's step, ``zero`` is the column's ``parlab.zero.ZeroDP`` engine and
     ``optimizer`` (its optimizer) holds this rank's 1/N_d of the state; the module gradients
@@ -63,7 +63,7 @@ class TensorDataParallel:
     and zeroed at the next. Without it, ``zero`` and ``optimizer`` are None and ``step``
     leaves averaged gradients for any optimizer over ``model.parameters()``."""
 
-    def __init__(self, model, data_parallel_degree, sequence_parallel=False, zero_optimizer=None,
+    def __init__(self, model, data_parallel_degree, sequence_parallel=False, optimizer_class=None,
                  **optimizer_kwargs):
         N_d, world = data_parallel_degree, torch.distributed.get_world_size()
         if isinstance(N_d, bool) or not isinstance(N_d, int) or N_d < 1 or world % N_d:
@@ -75,19 +75,19 @@ class TensorDataParallel:
         self.tensor_parallel_group, self.data_parallel_group = self.mesh.group("tp"), self.mesh.group("dp")
         self.model = ParallelGPT(model, self.tensor_parallel_group, sequence_parallel)
         self.zero, self.optimizer = None, None
-        if zero_optimizer is None:
+        if optimizer_class is None:
             average = functools.partial(ring_all_reduce, check=False, group=self.data_parallel_group)
             self.engine = DDP(self.model, variant="flat", all_reduce=average, broadcast_buffers=False,
                               group=self.data_parallel_group)
         else:  # the engine starts the column from its first rank's (replica 0's) values
-            self.engine = self.zero = ZeroDP(self.model, zero_optimizer, stage=1, group=self.data_parallel_group,
+            self.engine = self.zero = ZeroDP(self.model, optimizer_class, stage=1, group=self.data_parallel_group,
                                              **optimizer_kwargs)
             self.optimizer = self.zero.optimizer
 
     def step(self, tokens, targets):
         """Forward and backward of the whole batch (b sequences, b a multiple of N_d): this
         replica's b/N_d of them, then the gradients averaged over the column. Returns the
-        replica's loss. No optimizer step, except with ZeRO (``zero_optimizer``), where the
+        replica's loss. No optimizer step, except with ZeRO (``optimizer_class``), where the
         column reduce-scatters the gradients, steps its shards and all-gathers them."""
         b = len(tokens)
         if b % self.data_parallel_degree:

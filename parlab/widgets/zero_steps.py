@@ -32,10 +32,11 @@ The phases, each drawn as the holdings right after it:
               backward a rank holds its averaged gradient shard only; then the optimizer step
               on the own shard and the all-gather of the parameters, as stage 1
     stage 3   one FSDP unit (the model's other units go through the same phases in turn, one
-              gathered at a time): all-gather before forward; forward done, full parameters
-              freed; all-gather before backward and the unit's backward (its full gradient
-              exists only here); reduce-scatter of the gradient, full buffers freed; the
-              optimizer step on the own shard. The next forward gathers w'
+              unsharded at a time): unshard (all-gather) before forward; forward done, reshard
+              (full parameters freed); unshard again before backward and the unit's backward
+              (its full gradient exists only here); reduce-scatter of the gradient, reshard
+              (full buffers freed); the optimizer step on the own shard. The next forward
+              unshards w'
 
 Stages 0 to 2 send the same bytes: ZeRO moves the optimizer step of stage 0 from after the
 all-reduce to between its two halves, where each rank has the averaged gradient of one shard.
@@ -53,9 +54,9 @@ STEP_PHASES = {
         "all-gather of the parameters"),
     2: ("backward, each bucket reduce-scattered as backward produces it", "optimizer step on the own shard",
         "all-gather of the parameters"),
-    3: ("all-gather before forward", "forward done: the full parameters freed",
-        "all-gather before backward, then the unit's backward", "reduce-scatter of the gradient, full buffers freed",
-        "optimizer step on the own shard"),
+    3: ("unshard: all-gather before forward", "forward done: reshard (the full parameters freed)",
+        "unshard again before backward, then the unit's backward",
+        "reduce-scatter of the gradient, reshard (full buffers freed)", "optimizer step on the own shard"),
 }
 OPTIMIZER_PHASE = {0: 3, 1: 2, 2: 1, 3: 4}  # the index of the optimizer step in STEP_PHASES
 COLOURS = {  # light before, dark after; each state in the colour memory_bars gives it

@@ -9,14 +9,14 @@ Every engine is called like the model, and after ``loss.backward()`` takes its s
 ``engine.step()``; ``engine.model_state_bytes()`` measures what the rank holds, to compare
 with ``parlab.memory.model_state_bytes``. ``parlab.flat`` is the sharding they share;
 ``parlab.zero.buckets`` is stage 0's all-reduce and stage 2's reduce-scatter during backward,
-on the rank's communication thread (FSDP, with ``prefetch``, gathers the next unit there while
-one computes); ``ZeroDP(...,
-offload=True)`` keeps the optimizer's shard and state on the host (ZeRO-Offload);
-``FSDP.no_sync()`` accumulates gradients without communication; ``parlab.zero.checkpoint``
+on the rank's communication thread (FSDP, with ``prefetch``, unshards the next unit there
+while one computes); ``ZeroDP(..., offload=True)`` keeps the optimizer's shard and state on
+the host (ZeRO-Offload); ``FSDP.no_sync()`` accumulates gradients without communication; ``parlab.zero.checkpoint``
 saves and loads full and sharded checkpoints; ``parlab.zero.formulas`` has the bytes stage 2
 and offload hold. In ordinary torch code: ``ZeroDP(..., group=)`` works on a process group
-(a grid's data-parallel axis); both engines take ``optimizer_class=None`` (your optimizer over
-``[engine.shard]`` or ``fsdp.parameters()``) and ``finish_gradient_synchronization()``, as DDP;
+(a grid's data-parallel axis); both engines take ``optimizer_class`` and
+``**optimizer_kwargs``, or ``optimizer_class=None`` (your optimizer over ``[engine.shard]`` or
+``fsdp.parameters()``) and ``finish_gradient_synchronization()``, as DDP;
 ``ShardedOptimizer(params, torch.optim.Adam, lr=...)`` is stage 1 as a torch optimizer, for
 gradients averaged already (after DDP).
 """

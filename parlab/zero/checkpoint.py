@@ -134,7 +134,7 @@ def load_sharded_state_dict(engine, state_dict):
         if _is_fsdp(engine):
             for unit in engine.units:
                 unit.shard.copy_(model["shards"][unit.name])
-                unit.free()  # the next forward gathers the loaded shards
+                unit.reshard()  # the next forward unshards the loaded shards
             for name, buffer in engine.module.named_buffers():
                 buffer.copy_(model["buffers"][name])
         else:
@@ -216,6 +216,8 @@ def _zero_piece(engine, value, position):
 
 
 # --- FSDP: one flat parameter per unit; the optimizer steps the units' shards ------------------
+# A unit knows each parameter by its first name (``unit.names``) and its place in the plain
+# model's ``parameters()`` (``unit.positions``: where a plain optimizer's state_dict numbers it).
 
 
 def _fsdp_full_state_dict(engine):
@@ -224,17 +226,29 @@ def _fsdp_full_state_dict(engine):
     for unit in engine.units:
         for key, value in engine.optimizer.state.get(unit.shard, {}).items():
             per_element = torch.is_tensor(value) and value.shape == unit.shard.shape
-            pieces = unit.layout.views(unit.gather_full(value)) if per_element else [value] * len(unit.names)
-            for name, piece in zip(unit.names, pieces):
+            pieces = unit.gather_full(value) if per_element else [value] * len(unit.names)
+            for position, piece in zip(unit.positions, pieces):
                 # clone: a view would carry (and torch.save would write) the whole unit's storage
                 piece = piece.clone() if torch.is_tensor(piece) else copy.deepcopy(piece)
-                state.setdefault(engine.parameter_index[name], {})[key] = piece
+                state.setdefault(position, {})[key] = piece
     if dist.get_rank() != 0:
         return None
-    model = {alias: full[name] for alias, name in engine.parameter_aliases.items()}
+    model = {alias: full[name] for alias, name in _fsdp_aliases(engine).items()}
     model.update({name: buffer.detach().clone() for name, buffer in engine.module.named_buffers()})
-    group = {**engine.optimizer.state_dict()["param_groups"][0], "params": list(range(len(engine.parameter_index)))}
+    parameters = sum(len(unit.positions) for unit in engine.units)
+    group = {**engine.optimizer.state_dict()["param_groups"][0], "params": list(range(parameters))}
     return {"model": model, "optimizer": {"state": state, "param_groups": [group]}}
+
+
+def _fsdp_aliases(engine):
+    """{every name a plain model's state_dict gives a parameter (a tied one has several): the
+    unit's name for it}, from the (module, attribute) slots that hold each parameter."""
+    prefixes = {}  # id(module) -> every qualified name of the module (a shared one has several)
+    for prefix, module in engine.module.named_modules(remove_duplicate=False):
+        prefixes.setdefault(id(module), []).append(prefix)
+    return {f"{prefix}.{attribute}" if prefix else attribute: name
+            for unit in engine.units for name, slots in zip(unit.names, unit.slots)
+            for module, attribute in slots for prefix in prefixes[id(module)]}
 
 
 def _fsdp_load_full_state_dict(engine, state_dict):
@@ -243,13 +257,13 @@ def _fsdp_load_full_state_dict(engine, state_dict):
     with torch.no_grad():
         for i, unit in enumerate(engine.units):
             unit.shard.copy_(unit.shard_of([model[name] for name in unit.names]))
-            per_parameter = [saved["state"].get(engine.parameter_index[name], {}) for name in unit.names]
+            per_parameter = [saved["state"].get(position, {}) for position in unit.positions]
             shape = model[unit.names[0]].shape
             state[i] = {key: unit.shard_of([s[key] for s in per_parameter])
                         if key != "step" and torch.is_tensor(value) and value.shape == shape
                         else copy.deepcopy(value)  # the optimizer would keep the caller's tensor
                         for key, value in per_parameter[0].items()}
-            unit.free()  # the next forward gathers the loaded shards
+            unit.reshard()  # the next forward unshards the loaded shards
         for name, buffer in engine.module.named_buffers():
             buffer.copy_(model[name])
     group = {**saved["param_groups"][0], "params": list(range(len(engine.units)))}

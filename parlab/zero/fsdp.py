@@ -1,5 +1,5 @@
 """FSDP (ZeRO stage 3) from scratch: every rank keeps 1/N_d of the parameters, gradients and
-optimizer state, and gathers a unit's full parameters only while that unit computes.
+optimizer state, and unshards a unit (all-gathers its full parameters) only while it computes.
 
     engine = FSDP(model, torch.optim.Adam, strategy="FULL_SHARD", wrap_policy="per_layer", lr=1e-3)
     loss_fn(engine(x_shard), y_shard).backward()   # all-gathers and reduce-scatters run in here,
@@ -7,95 +7,20 @@ optimizer state, and gathers a unit's full parameters only while that unit compu
     engine.step()                                  # the optimizer on this rank's shards
     engine.zero_grad()
 
-The model is cut into units by a wrap policy (``parlab.zero.units``); the Psi_u parameters of
-a unit become one flat parameter (``FlatLayout``), padded to a multiple of N_d and cut into
-N_d shards. Rank r keeps shard r as an fp32 ``nn.Parameter``: the optimizer
-(the torch class given, over the shards) steps it, and since Adam, AdamW and SGD with
-momentum are elementwise, that equals the same optimizer on the full parameters.
+One step, unit by unit (FULL_SHARD). A unit (``parlab.zero.units``) is one flat parameter cut
+into N_d shards; ``parlab.zero.flat_unit.FlatUnit`` is one unit on one rank:
 
-The flow of one step, unit by unit (FULL_SHARD; ``FlatUnit``, below the engine, is one unit
-on one rank: ``gather``, ``free``, ``reduce_gradient``):
+    forward   pre-hook:   unshard: all-gather the unit's shards into its full flat buffer;
+                          the module's parameters become views of that buffer
+              post-hook:  reshard: free the full buffer (its storage is resized to 0)
+    backward  hook on the unit's outputs (fires just before the unit's backward): unshard again
+              hook when the full buffer's gradient is accumulated (once, after the last view's):
+              reshard, and reduce-scatter the flat gradient (averaged over N_d) into the
+              shard Parameter's .grad; the full gradient is freed
+    step      the optimizer on the shards; the next forward unshards the new values
 
-    forward   pre-hook:   all-gather the unit's shards into its full flat buffer; the module's
-                          parameters become views of that buffer
-              post-hook:  free the full buffer (its storage is resized to 0)
-    backward  hook on the unit's outputs (fires when their gradient is ready, just before
-              the unit's backward): all-gather the full buffer again
-              hook when the full buffer's gradient is accumulated (all of the unit's
-              parameter views feed it, so it fires once, after the last of them):
-              reduce-scatter the flat gradient (averaged over N_d), keep this rank's shard as
-              the shard Parameter's .grad, free the full buffer and its gradient
-    step      the optimizer on the shards; the next forward gathers the new values
-
-Prefetch (``prefetch=True``, the default; torch's ``forward_prefetch`` and ``backward_prefetch=
-BACKWARD_PRE``). Done as above, every collective would stand on the critical path: a unit
-waits for its all-gather, and the next unit's backward for the last one's reduce-scatter.
-With prefetch, the collectives run on the rank's communication thread (``parlab.background``:
-one at a time, in the order started, the same on every rank), and each unit's pre-hook starts
-the all-gather of the unit that computes next before waiting for its own: in forward the next
-unit in the order the units entered the last forward (module order before the first), in
-backward the next in the reverse of the order they returned from forward. So the next unit's
-parameters arrive while this unit computes. A unit's reduce-scatter runs there too, while the
-next unit's backward computes; its full gradient is freed when it has been waited for: when
-the next unit's reduce-scatter starts, or when backward ends (a callback queued on autograd's
-engine, as torch's FSDP does), so the shards' .grad are complete when ``backward()`` returns.
-``prefetch=False`` runs every collective where it is needed, on the calling thread.
-
-Autograd keeps the views that forward saved; they point into the full buffer's storage, so
-refilling that storage before backward makes them valid again (as torch's FSDP does). The
-root unit is freed after forward too, so every unit makes the same transfers. The trace marks
-each unit's "all-gather" and "reduce-scatter" ("all-reduce" under NO_SHARD) as spans whose
-``stage`` is the unit's index (with prefetch, on the communication thread: when they ran).
-
-Memory at rest (after ``step``), fp32 with kappa bytes of optimizer state per parameter: the
-shards, their gradients and the optimizer state, (4 + 4 + kappa) Psi / N_d bytes (ZeRO stage 3;
-plus at most N_d - 1 padding elements per unit). While a unit computes, full parameters and
-gradients of a few units are added, never the model's. Without prefetch: the unit's full
-parameters (and in backward its full gradient), one unit at a time. With prefetch, at most
-two units gathered at once: the one computing and the next, prefetched; in backward also two
-units' full gradients: the one being computed and the last unit's, in its reduce-scatter. (A
-unit whose forward encloses the others, such as a root unit holding parameters, stays
-gathered through theirs, with or without prefetch: one more.)
-
-Strategies (S: the ranks a unit is sharded over). Per unit and step, the ring transfers of
-its flat parameter or gradient, each (S - 1)/S x padded numel x element bytes per rank:
-
-    FULL_SHARD     S = N_d   free after forward, gather again for backward       AG, AG, RS
-    SHARD_GRAD_OP  S = N_d   keep from forward until after backward               AG, RS
-    NO_SHARD       S = 1     everything on every rank (stage 0's memory), the     all-reduce
-                             gradients all-reduced over the N_d ranks, as DDP     (RS + AG)
-    HYBRID_SHARD   S = shard_group_size (N_d / 2 by default): FULL_SHARD within groups of S
-                   consecutive ranks, replicated across the N_d / S groups: after the
-                   reduce-scatter in its group, the gradient shard is all-reduced across groups
-
-mixed_precision=torch.bfloat16 (or float16): the gathered compute copy, the forward inputs and
-the gradients are in that dtype, and gradients are reduced in it (torch's MixedPrecisionPolicy
-with reduce_dtype = param_dtype: half the bytes on the wire); the shards the optimizer steps
-and its state stay fp32 (master weights). cpu_offload=True keeps the shards, their gradients and
-the optimizer state in CPU memory; each gather copies the shard to the device.
-
-Construction: rank 0's initial parameters are broadcast unit by unit (``parlab.p2p.broadcast``
-over all ranks), so every rank starts from them. A model built on the meta device is materialised one
-unit at a time (``parlab.zero.units.materialize_unit``: seeded init_seed + unit index), sharded,
-and its full copy dropped before the next: the peak is one unit, not the model; ``init_by_unit``
-initialises an ordinary model the same way, for a reference. Buffers are broadcast from rank 0
-and replicated, not sharded.
-
-Gradient accumulation: a second backward before ``step`` reduce-scatters again and adds to the
-shard gradients (communication every backward). Inside ``with engine.no_sync():`` a backward
-does not reduce: each unit keeps its full flat gradient (padded Psi_u elements in the compute
-dtype; autograd sums the micro-batches into it) and the first backward outside reduce-scatters
-the sum once, as torch's ``no_sync`` (one reduction per step, the full gradients' memory while
-accumulating). ``engine.close()`` destroys the process groups HYBRID_SHARD made.
-
-Replicated parameters (``replicate=fn``, fn(name, parameter) -> bool, e.g. ``lambda name, p:
-p.ndim == 1`` for norms and biases): a unit's parameters that fn picks form a unit of their own
-on the same module, NO_SHARD over all N_d ranks whatever the strategy: whole on every rank, their
-gradient ring all-reduced (averaged) during backward, stepped alike by every rank's optimizer;
-that module registers them as the Parameter ``flat_replicated``. Limits: every trainable
-parameter is sharded or replicated (frozen ones raise ValueError); a unit's parameters may be used
-only inside that unit's forward (tied weights belong to the unit around all their uses).
-Checkpoints (full and sharded state dicts, files): ``parlab.zero.checkpoint``.
+Strategies: ``FSDP``; prefetch: ``FSDP._unshard``; memory: ``FSDP.model_state_bytes``;
+gradient accumulation: ``FSDP.no_sync``; checkpoints: ``parlab.zero.checkpoint``.
 """
 
 import functools
@@ -107,53 +32,73 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from parlab import _checks, background, p2p, runtime, trace
-from parlab.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
-from parlab.flat import FlatLayout
 from parlab.memory import measure_model_state
-from parlab.zero.strategies import STRATEGIES, _process_groups, _shard_group_size  # noqa: F401 - STRATEGIES: imported from here by parlab.bench
-from parlab.zero.units import UnitPlan, materialize_unit, plan_units
+from parlab.zero.flat_unit import FlatUnit
+from parlab.zero.strategies import _process_groups, _shard_group_size
+from parlab.zero.units import REPLICATED_NAME, materialize_unit, plan_units, split_replicated  # noqa: F401 - REPLICATED_NAME: imported from here by parlab.mesh_training
 
-SHARD_NAME = "flat_shard"  # each unit's module registers its shard under this name
-REPLICATED_NAME = "flat_replicated"  # and its replicated parameters (FSDP(..., replicate=fn)) under this one
+__all__ = ["FSDP"]
+
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 class FSDP(nn.Module):
-    """Fully sharded data parallelism over the default process group (N_d ranks); see the
-    module docstring for the flow.
+    """Fully sharded data parallelism over the N_d ranks of ``group`` (default: all ranks, or
+    e.g. ``mesh.group("dp")`` of a ``parlab.Mesh``: only its members build the engine, and
+    every collective stays inside it); the flow of a step: the module docstring.
 
-    ``optimizer_class(shards, **opt_kwargs)`` is built over the fp32 shard Parameters (also
-    ``engine.parameters()``): the model's own parameters are replaced by views of the unit's
-    gathered buffer, and each unit's module registers its shard as the Parameter
-    ``flat_shard`` (``model.named_parameters()`` lists e.g. ``0.flat_shard``, with its
-    averaged gradient after backward). With
-    ``optimizer_class=None`` the engine builds none: build yours over ``engine.parameters()``
-    and call its ``step()`` after ``engine.finish_gradient_synchronization()``, as with DDP. ``strategy``
-    and ``shard_group_size`` (HYBRID_SHARD only): the table above. ``wrap_policy``: see
-    ``parlab.zero.units``. ``mixed_precision``: None, torch.bfloat16 or torch.float16.
-    ``cpu_offload``: shards, gradients and optimizer state in CPU memory. ``init_fn(module)``
-    initialises one module of a model built on the meta device (default
-    ``module.reset_parameters()``), with the generator seeded ``init_seed`` + unit index.
-    ``replicate(name, parameter)`` (optional): true for the parameters to keep whole on every
-    rank (module docstring, "Replicated parameters"). ``group``: the N_d ranks to shard over
-    (e.g. ``mesh.group("dp")`` of a ``parlab.Mesh``; default: all ranks); only its members
-    build the engine, every collective stays inside it (not with HYBRID_SHARD, which makes
-    its own groups of the world). ``prefetch`` (default True): gather the next unit while one
-    computes and reduce-scatter in the background (module docstring, "Prefetch"); False: every
-    collective when it is needed."""
+    ``optimizer_class(shards, **optimizer_kwargs)`` is built over the fp32 shard Parameters,
+    ``engine.parameters()`` (each unit's module registers its shard as ``flat_shard``:
+    ``FlatUnit``); Adam, AdamW and SGD with momentum are elementwise, so stepping the shards
+    equals stepping the full parameters. With ``optimizer_class=None`` the engine builds none:
+    build yours over ``engine.parameters()`` and call its ``step()`` after
+    ``engine.finish_gradient_synchronization()``, as with DDP.
+
+    ``strategy`` (S: the ranks a unit is sharded over). Per unit and step, the ring transfers
+    of its flat parameter or gradient, each (S - 1)/S x padded numel x element bytes per rank:
+
+        FULL_SHARD     S = N_d   reshard after forward, unshard again for backward    AG, AG, RS
+        SHARD_GRAD_OP  S = N_d   stay unsharded from forward until after backward     AG, RS
+        NO_SHARD       S = 1     everything on every rank (stage 0's memory), the     all-reduce
+                                 gradients all-reduced over the N_d ranks, as DDP     (RS + AG)
+        HYBRID_SHARD   S = shard_group_size (N_d / 2 by default): FULL_SHARD within groups of S
+                       consecutive ranks, replicated across the N_d / S groups: after the
+                       reduce-scatter in its group, the gradient shard is all-reduced across groups
+
+    (torch's ``reshard_after_forward`` is True under FULL_SHARD and HYBRID_SHARD; HYBRID_SHARD
+    makes its own groups of the world and takes no ``group``.) ``wrap_policy``: the units
+    (``parlab.zero.units``). ``mixed_precision=torch.bfloat16`` (or float16): the unsharded
+    compute copy, the forward inputs and the gradients are in that dtype, and gradients are
+    reduced in it (torch's MixedPrecisionPolicy with reduce_dtype = param_dtype: half the bytes
+    on the wire); the shards and the optimizer state stay fp32 (master weights).
+    ``cpu_offload=True``: the shards, their gradients and the optimizer state in CPU memory.
+    ``init_fn``, ``init_seed``: a model built on the meta device (``__init__``). ``replicate(name,
+    parameter)``: true for the parameters to keep whole on every rank (``split_replicated`` in
+    ``parlab.zero.units``). ``prefetch`` (default True): unshard the next unit while one computes
+    and reduce-scatter in the background (``_unshard``); False: every collective where it is
+    needed. Every trainable parameter is sharded or replicated (frozen ones raise ValueError);
+    a unit's parameters may be used only inside its forward (tied weights belong to the unit
+    around all their uses)."""
 
     def __init__(self, model, optimizer_class=None, strategy="FULL_SHARD", wrap_policy=None, mixed_precision=None,
                  cpu_offload=False, init_fn=None, init_seed=0, shard_group_size=None, replicate=None, group=None,
-                 prefetch=True, **opt_kwargs):
+                 prefetch=True, **optimizer_kwargs):
+        """Rank 0's initial parameters are broadcast unit by unit (``parlab.p2p.broadcast`` over
+        the N_d ranks), so every rank starts from them. A model built on the meta device is
+        materialised one unit at a time (``parlab.zero.units.materialize_unit``: ``init_fn(module)``,
+        default ``module.reset_parameters()``, seeded ``init_seed`` + unit index), sharded, and
+        its full copy dropped before the next: the peak is one unit, not the model
+        (``parlab.zero.init_by_unit`` initialises an ordinary model the same way, for a
+        reference). Buffers are broadcast from rank 0 and replicated, not sharded."""
         super().__init__()
         _checks.module("model", model, "pass the model to shard, built the same on every rank (or on the meta device).")
         if prefetch not in (True, False):
-            raise ValueError(f"prefetch must be True (gather the next unit while this one computes, reduce-scatter "
+            raise ValueError(f"prefetch must be True (unshard the next unit while this one computes, reduce-scatter "
                              f"in the background) or False (every collective when it is needed), got {prefetch!r}.")
         if optimizer_class is not None:
             _checks.optimizer_class(optimizer_class)
-        elif opt_kwargs:
-            raise ValueError(f"optimizer options {sorted(opt_kwargs)} need an optimizer_class: pass one, or drop "
+        elif optimizer_kwargs:
+            raise ValueError(f"optimizer options {sorted(optimizer_kwargs)} need an optimizer_class: pass one, or drop "
                              "them and give them to the optimizer you build over engine.parameters().")
         if group is not None and strategy == "HYBRID_SHARD":
             raise ValueError("HYBRID_SHARD makes its shard and replicate groups from the whole world: drop group=, "
@@ -172,11 +117,7 @@ class FSDP(nn.Module):
         if init_fn is not None and not deferred:
             raise ValueError("init_fn initialises a model built on the meta device; this model is materialised "
                              "already: drop init_fn, or build the model under `with torch.device('meta'):`.")
-        names = dict(model.named_parameters(remove_duplicate=False))
-        # A plain model's state_dict and optimizer name and number its parameters this way:
-        self.parameter_aliases = {alias: next(n for n, q in names.items() if q is p) for alias, p in names.items()}
-        self.parameter_index = {name: i for i, (name, _) in enumerate(model.named_parameters())}
-        plans = _split_replicated(plan_units(model, wrap_policy), replicate)
+        plans = split_replicated(plan_units(model, wrap_policy), replicate)
         if not plans or any(not p.requires_grad for plan, _ in plans for p in plan.parameters):
             raise ValueError("FSDP shards trainable parameters: the model needs some, and none frozen "
                              "(requires_grad=False); unfreeze them or keep frozen ones out of the model.")
@@ -202,7 +143,7 @@ class FSDP(nn.Module):
             p2p.broadcast(buffer, src=first, group=group)
         self.mixed_precision, self.prefetch = mixed_precision, prefetch
         self.shards = nn.ParameterList([unit.shard for unit in self.units])
-        self.optimizer = None if optimizer_class is None else optimizer_class(list(self.shards), **opt_kwargs)
+        self.optimizer = None if optimizer_class is None else optimizer_class(list(self.shards), **optimizer_kwargs)
         # The unit each unit's forward (backward) is followed by, learned from the last forward: the
         # order its units entered (the reverse of the order they returned). Until then, module order.
         self.forward_next = dict(zip(self.units, self.units[1:]))
@@ -224,8 +165,8 @@ class FSDP(nn.Module):
             output = self.module(*args, **kwargs)
         for unit in self.units:  # prefetched for a forward that did not run it (its order changed)
             if unit.prefetched is not None:
-                self._gathered(unit)
-                unit.free()
+                self._wait_for_unshard(unit)
+                unit.reshard()
         return output
 
     def _cast_input(self, value):
@@ -237,55 +178,62 @@ class FSDP(nn.Module):
         if self.entered is not None:
             self.forward_next[self.entered] = unit
         self.entered = unit
-        self._gather(unit, then=self.forward_next.get(unit))
+        self._unshard(unit, then=self.forward_next.get(unit))
         unit.set_views()
 
     def _after_forward(self, unit, module, args, output):
         self.backward_next[unit], self.returned = self.returned, unit
         if not torch.is_grad_enabled():
-            unit.free()  # no backward will come for it
-        elif self.reshard_after_forward:
-            unit.free()
+            unit.reshard()  # no backward will come for it
+        elif self.reshard_after_forward:  # the root unit too: every unit makes the same transfers
+            unit.reshard()
             for tensor in tree_leaves(output):
                 if torch.is_tensor(tensor) and tensor.requires_grad:
-                    tensor.register_hook(lambda grad: self._gather(unit, then=self.backward_next.get(unit)))
+                    tensor.register_hook(lambda grad: self._unshard(unit, then=self.backward_next.get(unit)))
 
-    def _gather(self, unit, then=None):
-        """Make ``unit`` gathered before it computes. With ``prefetch``: start its all-gather on
-        the communication thread (unless prefetched already), start the all-gather of ``then``,
-        the unit that computes next, and wait for the first only; ``then`` gathers while ``unit``
-        computes. Without: all-gather ``unit`` now, here."""
+    def _unshard(self, unit, then=None):
+        """Make ``unit`` unsharded before it computes. Without ``prefetch`` it is all-gathered
+        now, on the calling thread: every collective stands on the critical path. With it
+        (torch's ``forward_prefetch`` and ``backward_prefetch=BACKWARD_PRE``), on the rank's
+        communication thread (``parlab.background``: one at a time, in the order started, the
+        same on every rank): start ``unit``'s all-gather unless it was prefetched, start the one
+        of ``then``, the unit that computes next, and wait for the first only, so ``then``'s
+        parameters arrive while ``unit`` computes. ``then``: in forward the next unit in the
+        order the units entered the last forward (module order before the first), in backward
+        the next in the reverse of the order they returned from forward."""
         if not self.prefetch:
-            unit.gather()
+            unit.unshard()
             return
-        if unit.prefetched is None and not unit.gathered:
-            unit.prefetched = background.start(unit.gather)
-        if then is not None and then.prefetched is None and not then.gathered:
-            then.prefetched = background.start(then.gather)
-        self._gathered(unit)
+        if unit.prefetched is None and not unit.is_unsharded:
+            unit.prefetched = background.start(unit.unshard)
+        if then is not None and then.prefetched is None and not then.is_unsharded:
+            then.prefetched = background.start(then.unshard)
+        self._wait_for_unshard(unit)
 
-    def _gathered(self, unit):
+    def _wait_for_unshard(self, unit):
         if unit.prefetched is not None:
             unit.prefetched.wait()
             unit.prefetched = None
 
     def _gradient_ready(self, unit, full):
-        """Post-accumulate-grad hook of the unit's full buffer: its flat gradient is complete
-        (inside ``no_sync``, kept for the next backward). Free the full parameters and
-        reduce-scatter the gradient (``FlatUnit.reduce_gradient``): with ``prefetch`` on the
-        communication thread, while the next unit's backward computes, waiting for the
-        previous unit's reduce-scatter meanwhile (its full gradient is freed then)."""
+        """Post-accumulate-grad hook of the unit's full buffer (all its parameter views feed it:
+        it fires once, after the last): the flat gradient is complete (inside ``no_sync``, kept
+        for the next backward). Reshard the unit and reduce-scatter the gradient. With
+        ``prefetch`` on the communication thread, while the next unit's backward computes; the
+        full gradient is freed once waited for: when the next unit's reduce-scatter starts, or
+        when backward ends (a callback queued on autograd's engine, as torch's FSDP does)."""
         if not unit.sync_gradients:
-            unit.free()
+            unit.reshard()
             return
         flat_gradient, full.grad = [full.grad], None
-        unit.free()
+        unit.reshard()
         if not self.prefetch:
             unit.reduce_gradient(flat_gradient.pop())
             return
         if not self.reductions:  # the first of this backward: wait for them all when it ends, as torch's FSDP
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_gradient_synchronization)
-        self.reductions.append((flat_gradient, background.start(_reduce, unit, flat_gradient)))
+        # the list, not the tensor, goes to the thread: clearing it frees the full gradient
+        self.reductions.append((flat_gradient, background.start(lambda: unit.reduce_gradient(flat_gradient[0]))))
         self._wait_for_reductions(keep=1)
 
     def _wait_for_reductions(self, keep=0):
@@ -303,8 +251,8 @@ class FSDP(nn.Module):
         self._wait_for_reductions()
         for unit in self.units:  # prefetched for a backward that did not run it
             if unit.prefetched is not None:
-                self._gathered(unit)
-                unit.free()
+                self._wait_for_unshard(unit)
+                unit.reshard()
 
     def step(self):
         """The optimizer step on this rank's shards (their gradients were reduced during
@@ -323,9 +271,10 @@ class FSDP(nn.Module):
 
     @contextmanager
     def no_sync(self):
-        """Backward passes inside accumulate each unit's full gradient on this rank, with no
-        reduction; the next backward outside reduce-scatters the sum (module docstring).
-        With M micro-batches per step, divide each one's mean loss by M."""
+        """Backward passes inside accumulate each unit's full gradient (padded Psi_u elements in
+        the compute dtype) with no reduction; the first backward outside reduce-scatters the
+        sum once, as torch's ``no_sync`` (without it, each backward before ``step`` reduces and
+        adds to the shard gradients). With M micro-batches per step, divide each loss by M."""
         for unit in self.units:
             unit.sync_gradients = False
         try:
@@ -347,7 +296,14 @@ class FSDP(nn.Module):
         """This rank's model states, measured (``parlab.memory.measure_model_state``): params
         = the shards plus any full buffer still allocated (none at rest, except NO_SHARD),
         grads = the shard gradients and any full gradient kept by ``no_sync``, optimizer = the
-        optimizer's state tensors."""
+        optimizer's state tensors. At rest (after ``step``), in fp32 with kappa bytes of
+        optimizer state per parameter: (4 + 4 + kappa) Psi / N_d bytes (ZeRO stage 3; plus at
+        most N_d - 1 padding elements per unit). While a unit computes, a few units' full
+        parameters and gradients are added, never the model's: without prefetch one unit's;
+        with prefetch two units unsharded (the one computing and the next) and in backward two
+        full gradients (the one computing and the last unit's, in its reduce-scatter). A unit
+        whose forward encloses the others (a root unit with parameters) stays unsharded
+        through theirs: one more."""
         return measure_model_state(
             [t for unit in self.units for t in (unit.shard, unit.full)],
             [g for unit in self.units for g in (unit.shard.grad, unit.full.grad)],
@@ -358,9 +314,8 @@ class FSDP(nn.Module):
     def full_parameters(self):
         """{name: full fp32 parameter} (the master values), gathered on every rank."""
         self.finish_gradient_synchronization()  # its all-gathers run here: none may be in flight meanwhile
-        return {name: view.clone() for unit in self.units
-                for name, view in zip(unit.names, unit.layout.views(unit.gather_full(unit.shard.detach())))}
-
+        return {name: full.clone() for unit in self.units
+                for name, full in zip(unit.names, unit.gather_full(unit.shard))}
 
     def full_gradients(self):
         """{name: averaged gradient} of every parameter, gathered on every rank after backward
@@ -369,121 +324,6 @@ class FSDP(nn.Module):
         if any(unit.shard.grad is None for unit in self.units):
             raise ValueError("full_gradients() needs this step's gradients: run forward and backward through the "
                              "engine first (outside no_sync), before zero_grad().")
-        return {name: view.clone() for unit in self.units
-                for name, view in zip(unit.names, unit.layout.views(unit.gather_full(unit.shard.grad.detach())))}
+        return {name: full.clone() for unit in self.units
+                for name, full in zip(unit.names, unit.gather_full(unit.shard.grad))}
 
-
-class FlatUnit:
-    """One unit's flat parameter on this rank: ``shard``, the fp32 Parameter the optimizer
-    steps (padded numel / S elements), and ``full``, the padded flat buffer in the compute
-    dtype, whose storage is allocated only while the unit is gathered (a leaf: the module's
-    parameters are views of it, so its ``.grad`` is the unit's flat gradient)."""
-
-    def __init__(self, plan, index, groups, device, compute_dtype, shard_device, replicated=False):
-        self.name, self.index, self.module, self.device = plan.name, index, plan.module, device
-        self.names, self.slots = plan.names, plan.slots
-        (self.shard_group, S), (self.replicate_group, self.replicas) = groups
-        self.layout = FlatLayout([p.shape for p in plan.parameters], S)
-        # the group of all N_d ranks (None: the world, as under HYBRID_SHARD)
-        everyone = self.replicate_group if S == 1 else self.shard_group if self.replicas == 1 else None
-        self.rank = dist.get_rank(self.shard_group) % S  # the place in the shard group
-        self.sync_gradients = True  # False inside FSDP.no_sync
-        self.prefetched = None  # the handle of its all-gather started ahead on the communication thread
-        flat = self.layout.flatten([p.detach() for p in plan.parameters], torch.float32, device)
-        first = 0 if everyone is None else dist.get_global_rank(everyone, 0)
-        p2p.broadcast(flat, src=first, group=everyone)  # the replicas start from the first rank's values
-        mine = self.layout.shard(flat, self.rank).to(shard_device, copy=True)
-        self.shard = nn.Parameter(mine)
-        if S == 1 and compute_dtype == torch.float32 and shard_device == device:
-            self.full = mine.detach().requires_grad_()  # NO_SHARD in fp32: one storage, as DDP
-        else:
-            self.full = flat.to(compute_dtype).requires_grad_()
-        for slots in self.slots:
-            for module, attribute in slots:
-                del module._parameters[attribute]
-        # torch-style code looks for what is trained in module.named_parameters(): the shard
-        self.module.register_parameter(REPLICATED_NAME if replicated else SHARD_NAME, self.shard)
-        plan.parameters.clear()  # the unit's full copy goes now, before the next unit's
-        self.set_views()
-        self.free()
-
-    def gather(self):
-        """Make the full buffer hold every rank's shard (a no-op if it does): all-gather within
-        the shard group (a copy of the shard, cast to the compute dtype, when S = 1)."""
-        if self.gathered:
-            return
-        with trace.span("all-gather", stage=self.index), torch.no_grad():
-            full = self.full.data  # not .detach(): its writes would bump the version autograd checks
-            full.untyped_storage().resize_(full.numel() * full.element_size())
-            self.layout.shard(full, self.rank).copy_(self.shard)
-            if self.layout.world_size > 1:
-                ring_all_gather(full, check=False, group=self.shard_group)
-        self.gathered = True
-
-    def set_views(self):
-        """Put views of the full buffer in the module's parameter slots (made in forward, so
-        autograd routes their gradients into ``full.grad``)."""
-        for view, slots in zip(self.layout.views(self.full), self.slots):
-            for module, attribute in slots:
-                setattr(module, attribute, view)
-
-    def free(self):
-        self.gathered = False
-        if self.layout.world_size > 1:
-            self.full.untyped_storage().resize_(0)
-
-    def reduce_gradient(self, flat_gradient):
-        """Average the unit's flat gradient over the N_d ranks (reduce-scatter within the shard
-        group, then all-reduce across the replicate group) and add this rank's part to the
-        shard's .grad (the engine calls it when the gradient is complete, and frees it after)."""
-        S = self.layout.world_size
-        with trace.span("reduce-scatter" if S > 1 else "all-reduce", stage=self.index), torch.no_grad():
-            if S > 1:
-                ring_reduce_scatter(flat_gradient, op="avg", check=False, group=self.shard_group)
-            mine = self.layout.shard(flat_gradient, self.rank)
-            if self.replicas > 1:
-                ring_all_reduce(mine, op="avg", check=False, group=self.replicate_group)
-            # a copy unless it is the whole buffer: a view would keep the full gradient alive
-            mine = mine.to(self.shard.device, self.shard.dtype, copy=S > 1)
-            self.shard.grad = mine if self.shard.grad is None else self.shard.grad.add_(mine)
-
-    def shard_of(self, tensors):
-        """The unit's full tensors (its parameters, or one optimizer state of each) -> this
-        rank's fp32 shard of them, on the shard's device."""
-        flat = self.layout.flatten(tensors, torch.float32, self.device)
-        return self.layout.shard(flat, self.rank).to(self.shard.device, copy=True)
-
-    def gather_full(self, shard_like):
-        """A shard-shaped tensor of this rank (the shard, an optimizer state) -> the padded flat
-        of the whole unit, on every rank (a fresh buffer: the compute one is not touched)."""
-        flat = torch.zeros(self.layout.padded_numel, dtype=shard_like.dtype, device=self.device)
-        self.layout.shard(flat, self.rank).copy_(shard_like)
-        if self.layout.world_size > 1:
-            ring_all_gather(flat, check=False, group=self.shard_group)
-        return flat
-
-
-def _reduce(unit, flat_gradient):  # on the communication thread
-    unit.reduce_gradient(flat_gradient[0])
-
-
-def _split_replicated(plans, replicate):
-    """[(plan, replicated)]: each unit's plan, and after it a plan on the same module of the
-    parameters ``replicate(name, parameter)`` picks (each only if it has parameters)."""
-    if replicate is None:
-        return [(plan, False) for plan in plans]
-    if not callable(replicate):
-        raise ValueError(f"replicate must be a function (name, parameter) -> bool picking the parameters to keep "
-                         f"whole on every rank, e.g. lambda name, p: p.ndim == 1; got {replicate!r}.")
-    split = []
-    for plan in plans:
-        # the replicated unit is named as its Parameter (unit names key sharded checkpoints)
-        parts = {False: UnitPlan(plan.name, plan.module),
-                 True: UnitPlan(f"{plan.name}.{REPLICATED_NAME}".lstrip("."), plan.module)}
-        for name, p, slots in zip(plan.names, plan.parameters, plan.slots):
-            part = parts[bool(replicate(name, p))]
-            part.names.append(name)
-            part.parameters.append(p)
-            part.slots.append(slots)
-        split += [(part, replicated) for replicated, part in parts.items() if part.parameters]
-    return split

@@ -26,8 +26,8 @@ from parlab.zero.stages import _global_rank, _place_in
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
-    """``optimizer_cls`` (a torch optimizer class, such as torch.optim.Adam, with
-    ``**kwargs``) over this rank's shard of ``params`` (parameters or param groups, as any
+    """``optimizer_class`` (a torch optimizer class, such as torch.optim.Adam, with
+    ``**optimizer_kwargs``) over this rank's shard of ``params`` (parameters or param groups, as any
     torch optimizer takes), on the N_d ranks of ``group`` (default: all ranks).
 
     Frozen parameters (``requires_grad=False``) are left out. Construction broadcasts rank
@@ -40,8 +40,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     construction.
     """
 
-    def __init__(self, params, optimizer_cls, group=None, **kwargs):
-        _checks.optimizer_class(optimizer_cls)
+    def __init__(self, params, optimizer_class, group=None, **optimizer_kwargs):
+        _checks.optimizer_class(optimizer_class)
         groups = list(params)
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
@@ -63,7 +63,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("ShardedOptimizer got no trainable parameters (requires_grad=True): "
                              "pass model.parameters().")
         self.group, self.rank, self.world_size = group, *_place_in(group)
-        super().__init__(groups, dict(kwargs))
+        super().__init__(groups, dict(optimizer_kwargs))
         self.layouts, self.flat_params, shard_groups = [], [], []
         for g in self.param_groups:
             layout = FlatLayout([p.shape for p in g["params"]], self.world_size)
@@ -76,7 +76,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.layouts.append(layout)
             self.flat_params.append(flat)
             shard_groups.append({**_options(g), "params": [shard]})
-        self.optimizer = optimizer_cls(shard_groups)
+        self.optimizer = optimizer_class(shard_groups)
         self.state = self.optimizer.state
 
     def add_param_group(self, param_group):

@@ -1,10 +1,10 @@
 """FSDP units: which parameters of a model travel together as one flat parameter, and how a
 model built on the meta device is materialised one unit at a time. (What a unit does on a
-rank, gather, free and reduce its gradient, is ``parlab.zero.fsdp.FlatUnit``.)
+rank, unshard, reshard and reduce its gradient, is ``parlab.zero.flat_unit.FlatUnit``.)
 
 A wrap policy picks unit modules; each unit's parameters become one flat parameter that FSDP
-gathers just before the unit's forward and frees after it. The model itself is always the
-root unit and takes every parameter that no other unit took.
+unshards (all-gathers) just before the unit's forward and reshards (frees) after it. The
+model itself is always the root unit and takes every parameter that no other unit took.
 
     wrap_policy=None            every direct child of the model that holds parameters (the
                                 blocks of an nn.Sequential or of a transformer's layer list)
@@ -17,8 +17,9 @@ Smaller units lower the peak (one unit's full parameters at a time) and raise th
 of collectives (3 per unit per step, each paying the latency alpha).
 
 A parameter used by several modules (tied weights) belongs to the innermost unit that
-contains all its uses, so it is gathered for as long as any of them may run. A unit left
-without parameters is dropped.
+contains all its uses, so it stays unsharded for as long as any of them may run. A unit left
+without parameters is dropped. ``split_replicated`` takes the parameters FSDP keeps whole
+(``FSDP(replicate=fn)``) out of each unit into a unit of their own on the same module.
 """
 
 from dataclasses import dataclass, field
@@ -27,6 +28,9 @@ import torch
 from torch import nn
 
 from parlab import _checks
+
+SHARD_NAME = "flat_shard"  # each unit's module registers its shard under this name
+REPLICATED_NAME = "flat_replicated"  # and its replicated parameters (FSDP(..., replicate=fn)) under this one
 
 
 @dataclass(frozen=True)
@@ -44,14 +48,16 @@ class min_params:  # noqa: N801 - used like a function: wrap_policy=min_params(1
 @dataclass
 class UnitPlan:
     """One unit: its module (``name`` is its qualified name, "" for the root), its parameters
-    (``names`` as ``model.named_parameters()`` gives them, in order) and for each parameter the
-    (module, attribute) slots that hold it (several for a tied parameter)."""
+    (``names`` as ``model.named_parameters()`` gives them, in order), for each parameter the
+    (module, attribute) slots that hold it (several for a tied parameter) and its place in
+    ``model.parameters()`` (``positions``: where a plain model's optimizer numbers it)."""
 
     name: str
     module: nn.Module
     names: list = field(default_factory=list)
     parameters: list = field(default_factory=list)
     slots: list = field(default_factory=list)
+    positions: list = field(default_factory=list)
 
     @property
     def holders(self):
@@ -78,20 +84,51 @@ def plan_units(model, wrap_policy=None):
     visit(model, 0)
     plans = [UnitPlan("", model)] + [UnitPlan(name, m) for name, m in model.named_modules()
                                      if id(m) in chosen and m is not model]
-    uses = {}  # id(parameter) -> (parameter, its names, its {(id(module), attribute): (module, attribute)})
+    # id(parameter) -> (parameter, its names, its {(id(module), attribute): (module, attribute)}),
+    # in the order of model.parameters() (each parameter where its first name comes)
+    uses = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         module_name, _, attribute = name.rpartition(".")
         module = model.get_submodule(module_name)
         _, names, slots = uses.setdefault(id(p), (p, [], {}))
         names.append(name)
         slots[(id(module), attribute)] = (module, attribute)  # a shared module holds it once
-    for p, names, slots in uses.values():
+    for position, (p, names, slots) in enumerate(uses.values()):
         inside_all = [plan for plan in plans if all(_inside(name, plan.name) for name in names)]
         owner = max(inside_all, key=lambda plan: len(plan.name))  # the innermost
         owner.names.append(names[0])
         owner.parameters.append(p)
         owner.slots.append(list(slots.values()))
+        owner.positions.append(position)
     return [plan for plan in plans if plan.parameters]
+
+
+def split_replicated(plans, replicate):
+    """[(plan, replicated)]: each unit's plan, and after it a plan on the same module of the
+    parameters ``replicate(name, parameter)`` picks (each only if it has parameters).
+
+    FSDP keeps a replicated unit whole on every rank whatever the strategy (NO_SHARD over
+    all N_d ranks): its gradient is all-reduced (averaged) during backward and every rank's
+    optimizer steps it alike; its module registers it as the Parameter ``flat_replicated``.
+    E.g. ``replicate=lambda name, p: p.ndim == 1`` keeps norms and biases whole."""
+    if replicate is None:
+        return [(plan, False) for plan in plans]
+    if not callable(replicate):
+        raise ValueError(f"replicate must be a function (name, parameter) -> bool picking the parameters to keep "
+                         f"whole on every rank, e.g. lambda name, p: p.ndim == 1; got {replicate!r}.")
+    split = []
+    for plan in plans:
+        # the replicated unit is named as its Parameter (unit names key sharded checkpoints)
+        parts = {False: UnitPlan(plan.name, plan.module),
+                 True: UnitPlan(f"{plan.name}.{REPLICATED_NAME}".lstrip("."), plan.module)}
+        for name, p, slots, position in zip(plan.names, plan.parameters, plan.slots, plan.positions):
+            part = parts[bool(replicate(name, p))]
+            part.names.append(name)
+            part.parameters.append(p)
+            part.slots.append(slots)
+            part.positions.append(position)
+        split += [(part, replicated) for replicated, part in parts.items() if part.parameters]
+    return split
 
 
 def materialize_unit(plan, index, device, init_fn=None, seed=0):

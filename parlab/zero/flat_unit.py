@@ -1,0 +1,137 @@
+"""One FSDP unit on one rank and its collectives: the unit's Psi_u parameters as one flat
+buffer (``parlab.flat.FlatLayout``), padded to a multiple of S and cut into S shards, of
+which this rank keeps one. FSDP (``parlab.zero.fsdp``) calls, in torch's FSDP2 words:
+
+    unit.unshard()                  all-gather the shards into the full flat buffer
+    unit.set_views()                the module's parameters become views of that buffer
+    unit.reshard()                  free the full buffer (its storage is resized to 0)
+    unit.reduce_gradient(flat_g)    reduce-scatter the flat gradient, averaged over N_d,
+                                    into the shard's .grad (+ all-reduce across replicas)
+
+``shard_of`` and ``gather_full`` move whole tensors in and out of the shard layout, for
+``FSDP.full_parameters`` and ``parlab.zero.checkpoint``. Which parameters a unit takes:
+``parlab.zero.units``.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parlab import p2p, trace
+from parlab.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from parlab.flat import FlatLayout
+from parlab.zero.units import REPLICATED_NAME, SHARD_NAME
+
+__all__ = ["FlatUnit"]
+
+
+class FlatUnit:
+    """One unit's flat parameter on this rank: ``shard``, the fp32 Parameter the optimizer
+    steps (padded numel / S elements), and ``full``, the padded flat buffer in the compute
+    dtype, whose storage is allocated only while the unit is unsharded (a leaf: the module's
+    parameters are views of it, so its ``.grad`` is the unit's flat gradient).
+
+    ``plan``: the unit's ``parlab.zero.units.UnitPlan``; ``index``: its place among the units
+    (the trace's ``stage`` of its spans). ``groups``: ((shard group, S), (replicate group,
+    N_d / S)). ``compute_dtype``: the dtype of ``full`` (bf16 or fp16 under mixed precision:
+    the unit computes and reduces its gradient in it); ``shard_device``: the host under CPU
+    offload, where the shard, its gradient and the optimizer state then live.
+
+    Construction starts every replica from the first rank's values (one ``p2p.broadcast``
+    of the unit's flat parameters over all N_d ranks), keeps this rank's shard, removes the
+    module's own parameters (``module.named_parameters()`` lists the shard instead, as
+    ``flat_shard``, or ``flat_replicated`` for a replicated unit) and drops the unit's full
+    copy, so that a model built on the meta device never holds more than one unit.
+
+    The trace marks each ``unshard`` as an "all-gather" span and each ``reduce_gradient`` as
+    a "reduce-scatter" ("all-reduce" when S = 1), with ``stage`` = the unit's index."""
+
+    def __init__(self, plan, index, groups, device, compute_dtype, shard_device, replicated=False):
+        self.name, self.index, self.module, self.device = plan.name, index, plan.module, device
+        self.names, self.slots, self.positions = plan.names, plan.slots, plan.positions
+        (self.shard_group, S), (self.replicate_group, self.replicas) = groups
+        self.layout = FlatLayout([p.shape for p in plan.parameters], S)
+        # the group of all N_d ranks (None: the world, as under HYBRID_SHARD)
+        everyone = self.replicate_group if S == 1 else self.shard_group if self.replicas == 1 else None
+        self.rank = dist.get_rank(self.shard_group) % S  # the place in the shard group
+        self.sync_gradients = True  # False inside FSDP.no_sync
+        self.prefetched = None  # the handle of its all-gather started ahead on the communication thread
+        flat = self.layout.flatten([p.detach() for p in plan.parameters], torch.float32, device)
+        first = 0 if everyone is None else dist.get_global_rank(everyone, 0)
+        p2p.broadcast(flat, src=first, group=everyone)  # the replicas start from the first rank's values
+        mine = self.layout.shard(flat, self.rank).to(shard_device, copy=True)
+        self.shard = nn.Parameter(mine)
+        if S == 1 and compute_dtype == torch.float32 and shard_device == device:
+            self.full = mine.detach().requires_grad_()  # NO_SHARD in fp32: one storage, as DDP
+        else:
+            self.full = flat.to(compute_dtype).requires_grad_()
+        for slots in self.slots:
+            for module, attribute in slots:
+                del module._parameters[attribute]
+        # torch-style code looks for what is trained in module.named_parameters(): the shard
+        self.module.register_parameter(REPLICATED_NAME if replicated else SHARD_NAME, self.shard)
+        plan.parameters.clear()  # the unit's full copy goes now, before the next unit's
+        self.set_views()
+        self.reshard()
+
+    def unshard(self):
+        """Make the full buffer hold every rank's shard (a no-op if it does): all-gather within
+        the shard group (a copy of the shard, cast to the compute dtype, when S = 1).
+
+        The storage is refilled in place: autograd keeps the views that forward saved, and
+        they point into it, so unsharding before backward makes them valid again (as torch's
+        FSDP does)."""
+        if self.is_unsharded:
+            return
+        with trace.span("all-gather", stage=self.index), torch.no_grad():
+            full = self.full.data  # not .detach(): its writes would bump the version autograd checks
+            full.untyped_storage().resize_(full.numel() * full.element_size())
+            self.layout.shard(full, self.rank).copy_(self.shard)
+            if self.layout.world_size > 1:
+                ring_all_gather(full, check=False, group=self.shard_group)
+        self.is_unsharded = True
+
+    def set_views(self):
+        """Put views of the full buffer in the module's parameter slots (made in forward, so
+        autograd routes their gradients into ``full.grad``)."""
+        for view, slots in zip(self.layout.views(self.full), self.slots):
+            for module, attribute in slots:
+                setattr(module, attribute, view)
+
+    def reshard(self):
+        """Free the full parameters: the buffer keeps its shape, its storage goes (under
+        NO_SHARD, S = 1, it stays: every rank holds everything)."""
+        self.is_unsharded = False
+        if self.layout.world_size > 1:
+            self.full.untyped_storage().resize_(0)
+
+    def reduce_gradient(self, flat_gradient):
+        """Average the unit's flat gradient over the N_d ranks (reduce-scatter within the shard
+        group, then all-reduce across the replicate group) and add this rank's part to the
+        shard's .grad (the engine calls it when the gradient is complete, and frees it after)."""
+        S = self.layout.world_size
+        with trace.span("reduce-scatter" if S > 1 else "all-reduce", stage=self.index), torch.no_grad():
+            if S > 1:
+                ring_reduce_scatter(flat_gradient, op="avg", check=False, group=self.shard_group)
+            mine = self.layout.shard(flat_gradient, self.rank)
+            if self.replicas > 1:
+                ring_all_reduce(mine, op="avg", check=False, group=self.replicate_group)
+            # a copy unless it is the whole buffer: a view would keep the full gradient alive
+            mine = mine.to(self.shard.device, self.shard.dtype, copy=S > 1)
+            self.shard.grad = mine if self.shard.grad is None else self.shard.grad.add_(mine)
+
+    def shard_of(self, tensors):
+        """The unit's full tensors (its parameters, or one optimizer state of each) -> this
+        rank's fp32 shard of them, on the shard's device."""
+        flat = self.layout.flatten(tensors, torch.float32, self.device)
+        return self.layout.shard(flat, self.rank).to(self.shard.device, copy=True)
+
+    def gather_full(self, shard_like):
+        """A shard-shaped tensor of this rank (the shard, its gradient, an optimizer state) ->
+        the unit's full tensors, on every rank: views of a fresh padded flat buffer (the
+        compute one is not touched), one per parameter."""
+        flat = torch.zeros(self.layout.padded_numel, dtype=shard_like.dtype, device=self.device)
+        self.layout.shard(flat, self.rank).copy_(shard_like.detach())
+        if self.layout.world_size > 1:
+            ring_all_gather(flat, check=False, group=self.shard_group)
+        return self.layout.views(flat)
