@@ -1,6 +1,6 @@
 # Generated from solutions/ddp.py by `python -m parlab.course.exercises build`.
 # Write your code where it raises NotImplementedError, then run `parlab grade ddp`.
-# parlab-generated sha256=1fa8724e5a6d9206fb4b6f557210d4a792cc82fbe5922b8cdfba39a79e89a132
+# parlab-generated sha256=59a6dcc4c065b6cbff64885da4bdb7a6d6ed675bfb99e0da8e8b6e98ab27ea63
 """Exercise: bucketed DDP that overlaps communication with backward, like torch's DistributedDataParallel.
 
 Every rank holds a whole replica of the model and computes the gradient of the mean loss
@@ -38,8 +38,7 @@ import torch
 import torch.distributed as dist
 
 from parlab import trace
-
-MB = 1024 * 1024  # bucket_cap_mb counts mebibytes, as torch's
+from parlab.units import MIB  # bucket_cap_mb counts mebibytes, as torch's
 
 
 def assign_buckets(sizes_in_bytes, bucket_cap_bytes):
@@ -95,7 +94,7 @@ class BucketedDDP(torch.nn.Module):
         broadcast_from_rank0([*module.parameters(), *module.buffers()])
         sizes = [p.numel() * p.element_size() for p in self.parameters_to_sync]
         self.buckets = [
-            [self.parameters_to_sync[i] for i in indices] for indices in assign_buckets(sizes, bucket_cap_mb * MB)
+            [self.parameters_to_sync[i] for i in indices] for indices in assign_buckets(sizes, bucket_cap_mb * MIB)
         ]
         self.register_gradient_hooks()
 

@@ -10,7 +10,6 @@
 
 import argparse
 
-from parlab.course import doctor
 from parlab.bench import (
     async_sgd,
     collectives,
@@ -24,6 +23,7 @@ from parlab.bench import (
     to_json,
     zero,
 )
+from parlab.course import doctor
 from parlab.course.grade import command as grading
 
 # A bench is a module of parlab.bench (see its docstring for what the module provides);

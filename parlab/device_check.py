@@ -27,10 +27,12 @@ from importlib import import_module
 
 import torch
 
+from parlab.gpt import batches, train_in_one_process
 from parlab.numerics import max_abs_difference, ring_orders, rounding_band
 from parlab.plan import measure, plan_memory, runs
 from parlab.plan.table import plan_label
 from parlab.runtime import Cluster
+from parlab.units import MIB
 
 STEPS = 2  # Adam steps after the first: three losses per plan
 RANKS = 4  # the ranks of measure's plans
@@ -42,7 +44,6 @@ BENCHES = [
     ("zero", ["--world-sizes", "2", "--steps", "5"]),
     ("tensor_parallel", ["--world-sizes", "1", "2", "--steps", "5"]),
 ]
-MIB = 2**20
 
 
 def check_engines(device="cuda", layouts=measure.LAYOUTS, steps=STEPS, runtime=None):
@@ -51,8 +52,10 @@ def check_engines(device="cuda", layouts=measure.LAYOUTS, steps=STEPS, runtime=N
     on ``device``. Returns one dict per plan: plan, difference, band, ok, tokens_per_s,
     peak_bytes (None off a GPU), state_bytes and formula_state_bytes."""
     batch = measure.BATCH
-    reference = runs.one_process(batch.B, steps, device=device)
-    decomposed = [runs.one_process(batch.B, steps, RANKS, tuple(order), device) for order in ring_orders(RANKS)]
+    data = batches(batch.B, runs.CONFIG.s, steps + 1)
+    reference = train_in_one_process(runs.CONFIG, data, runs.LR, device=device)[0]
+    decomposed = [train_in_one_process(runs.CONFIG, data, runs.LR, RANKS, tuple(order), device)[0]
+                  for order in ring_orders(RANKS)]
     band, _, _ = rounding_band(reference, decomposed)
     rows = []
     with _ranks(runtime, device) as ranks:

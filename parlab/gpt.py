@@ -17,7 +17,9 @@ autograd saves is Korthikanti et al.'s list (``parlab.tensor_parallel.activation
 (b, a, s, s) tensors included: memory-efficient attention (FlashAttention) never stores those.
 
 ``load_text()`` is a short original text about training in parallel; ``CharDataset`` turns it
-into (input, target) sequences of s characters, the target shifted by one.
+into (input, target) sequences of s characters, the target shifted by one. ``batches`` draws the
+batches every rank (and the reference) reads; ``train_in_one_process`` is the one-process
+reference every parallel run of the GPT is compared with.
 """
 
 import math
@@ -27,6 +29,8 @@ from importlib import resources
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from parlab.numerics import backward_in_shards
 
 __all__ = ["GPT", "GPTConfig", "CharDataset", "causal_attention", "load_text"]
 
@@ -168,3 +172,31 @@ class CharDataset:
         window = torch.arange(s + 1)
         chunk = self.data[starts[:, None] + window]  # (b, s + 1)
         return chunk[:, :-1], chunk[:, 1:]
+
+
+def batches(B, s, count, seed=0):
+    """``count`` batches of B sequences of s characters, (tokens, targets) each, drawn from
+    ``CharDataset`` with a generator seeded ``seed``: the same list on every rank."""
+    data, generator = CharDataset(), torch.Generator().manual_seed(seed)
+    return [data.batch(B, s, generator) for _ in range(count)]
+
+
+def train_in_one_process(config, batches, lr, shards=1, order=None, device="cpu"):
+    """The reference of every parallel run of the GPT: ``GPT(config)`` (seed 0) trained with
+    Adam on ``batches`` in one process on ``device``. Returns (the full batch's mean loss
+    before each step, float32; the gradients of the first step by name). With ``shards``, each
+    gradient is computed as that many ranks do, summed in ``order``
+    (``parlab.numerics.backward_in_shards``: the yardstick's runs)."""
+    torch.manual_seed(0)
+    model = GPT(config).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    losses, first = [], None
+    for tokens, targets in batches:
+        tokens, targets = tokens.to(device), targets.to(device)
+        with torch.no_grad():
+            losses.append(model.loss(tokens, targets))
+        parts = list(zip(tokens.tensor_split(shards), targets.tensor_split(shards)))
+        backward_in_shards(model.loss, model.parameters(), parts, order)
+        first = first or {name: p.grad.clone() for name, p in model.named_parameters()}
+        optimizer.step()
+    return torch.stack(losses).cpu(), first

@@ -47,7 +47,7 @@ from parlab import trace
 from parlab.collectives import ring_all_reduce
 from parlab.ddp import DDP
 from parlab.emulated import ComputeTime
-from parlab.memory import measure_model_state
+from parlab.memory import check_recompute, measure_model_state
 from parlab.pipeline import PipelineExecutor, gpipe, one_f_one_b
 from parlab.runtime.mesh import AXES, Mesh, axis_groups
 from parlab.tensor_parallel.layers import parallel_cross_entropy
@@ -55,9 +55,8 @@ from parlab.tensor_parallel.model import ParallelBlock, ParallelGPT
 from parlab.zero import FSDP, ZeroDP
 from parlab.zero.fsdp import REPLICATED_NAME
 
-__all__ = ["MeshGPT", "RECOMPUTE", "by_axis", "bytes_by_axis"]
+__all__ = ["MeshGPT", "by_axis", "bytes_by_axis"]
 
-RECOMPUTE = (None, "selective", "full")
 DDP_BUCKET_MB = 1  # about a layer of the small GPT per bucket: backward hides all but the last
 
 
@@ -83,9 +82,7 @@ class MeshGPT:
         if offload and zero not in (1, 2):
             raise ValueError(f"offload moves the optimizer's shard to the host at ZeRO stages 1 and 2, not {zero}: "
                              "pick one of them, or offload=False.")
-        if recompute not in RECOMPUTE:
-            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}: None keeps every "
-                             "activation, 'selective' recomputes attention's core, 'full' every layer.")
+        check_recompute(recompute)
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a whole number >= 1, got {microbatches!r}.")
         self.mesh, self.zero, self.M = mesh, zero, microbatches

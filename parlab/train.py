@@ -60,10 +60,9 @@ import torch.nn.functional as F
 
 from parlab import runtime, slurm
 from parlab._checks import real_number, whole_number
-from parlab.ddp import DDP
+from parlab.ddp import DDP, DistributedSampler
 from parlab.gpt import GPT, CharDataset, GPTConfig
 from parlab.runtime.launch import under_torchrun
-from parlab.ddp import DistributedSampler
 
 # A GPT small enough that a few steps take well under a second on one CPU core.
 SEQUENCE, HIDDEN, HEADS, LAYERS = 16, 32, 2, 1

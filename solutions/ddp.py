@@ -35,8 +35,7 @@ import torch
 import torch.distributed as dist
 
 from parlab import trace
-
-MB = 1024 * 1024  # bucket_cap_mb counts mebibytes, as torch's
+from parlab.units import MIB  # bucket_cap_mb counts mebibytes, as torch's
 
 
 def assign_buckets(sizes_in_bytes, bucket_cap_bytes):
@@ -101,7 +100,7 @@ class BucketedDDP(torch.nn.Module):
         broadcast_from_rank0([*module.parameters(), *module.buffers()])
         sizes = [p.numel() * p.element_size() for p in self.parameters_to_sync]
         self.buckets = [
-            [self.parameters_to_sync[i] for i in indices] for indices in assign_buckets(sizes, bucket_cap_mb * MB)
+            [self.parameters_to_sync[i] for i in indices] for indices in assign_buckets(sizes, bucket_cap_mb * MIB)
         ]
         self.register_gradient_hooks()
 

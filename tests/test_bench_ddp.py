@@ -19,7 +19,7 @@ from parlab.bench.ddp import (
     mlp_parameters,
     time_steps,
 )
-from parlab.ddp import MB
+from parlab.units import MIB
 
 TINY = dict(width=8, depth=2, batch_size=4)
 
@@ -80,8 +80,8 @@ def test_a_bucket_cap_of_zero_is_refused():
 
 def test_the_sweep_caps_hold_one_layer_two_four_and_all():
     assert layer_caps_mb(256, 16) == [0.25, 0.5, 1, 2, 4]  # a layer of 256 x 256 fp32 is 256 KiB
-    assert [cap * MB / (4 * 8 * 8) for cap in layer_caps_mb(8, 3)] == [1, 2, 3]
-    assert [cap * MB / (4 * 8 * 8) for cap in layer_caps_mb(8, 1)] == [1]
+    assert [cap * MIB / (4 * 8 * 8) for cap in layer_caps_mb(8, 3)] == [1, 2, 3]
+    assert [cap * MIB / (4 * 8 * 8) for cap in layer_caps_mb(8, 1)] == [1]
 
 
 def made_up_rows():

@@ -17,8 +17,7 @@ from parlab.bench.ddp_steps import (
     predicted_steps,
     time_single_process_step,
 )
-from parlab.ddp import trainable_parameters
-from parlab.ddp import predict_step
+from parlab.ddp import predict_step, trainable_parameters
 from parlab.runtime.emulation import Link
 
 

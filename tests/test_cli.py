@@ -15,9 +15,9 @@ from test_imports import test_one_spelling_for_this_ranks_device as check_one_de
 
 import parlab
 from parlab import cli
-from parlab.course import doctor
 from parlab.bench import byte_size, format_bytes, format_table, percentile, positive_int, progress_bar, ratio_header
 from parlab.bench.runtime import REFERENCE, bench_runtime, format_report
+from parlab.course import doctor
 
 STATUSES = {doctor.OK, doctor.PROBLEM, doctor.INFO}
 QUICK_CHECKS = [check for check in doctor.CHECKS if check is not doctor.check_all_reduce]

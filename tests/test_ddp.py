@@ -15,9 +15,9 @@ from torch import nn
 import parlab
 from parlab import trace
 from parlab.collectives import ring_all_reduce
-from parlab.ddp import DDP, MB, VARIANTS, assign_buckets, trainable_parameters
+from parlab.ddp import DDP, VARIANTS, DistributedSampler, assign_buckets, trainable_parameters
 from parlab.numerics import assert_equivalent, assert_within, backward_in_shards, ring_orders, rounding_band
-from parlab.ddp import DistributedSampler
+from parlab.units import MIB
 
 VOCAB, DIM, BATCH, STEPS, LR = 11, 6, 40, 5, 0.5
 # Trainable parameters in registration order: embedding.weight (tied with output.weight),
@@ -238,8 +238,8 @@ def test_assign_buckets_fills_in_reverse_order_up_to_the_cap():
 
 def test_assign_buckets_refuses_parameters_and_a_cap_that_is_not_a_size():
     with pytest.raises(ValueError, match=r"sizes_in_bytes\[0\] .* p.numel\(\) \* p.element_size\(\)"):
-        assign_buckets([torch.empty(3)], 25 * MB)
-    with pytest.raises(ValueError, match=r"bucket_cap_bytes .* got -1: pass a number of bytes, e.g. 25 \* MB"):
+        assign_buckets([torch.empty(3)], 25 * MIB)
+    with pytest.raises(ValueError, match=r"bucket_cap_bytes .* got -1: pass a number of bytes, e.g. 25 \* MIB"):
         assign_buckets([12], -1)
 
 
@@ -277,9 +277,9 @@ def traced_steps(variant, bucket_cap_mb, steps):
 @pytest.mark.parametrize(
     "variant, bucket_cap_mb, sizes",
     [
-        ("bucketed", (BIAS + HIDDEN + EMBEDDING) / MB, [BIAS + HIDDEN + EMBEDDING]),
-        ("bucketed", (BIAS + HIDDEN) / MB, [BIAS + HIDDEN, EMBEDDING]),
-        ("bucketed", 100 / MB, [BIAS, HIDDEN, EMBEDDING]),
+        ("bucketed", (BIAS + HIDDEN + EMBEDDING) / MIB, [BIAS + HIDDEN + EMBEDDING]),
+        ("bucketed", (BIAS + HIDDEN) / MIB, [BIAS + HIDDEN, EMBEDDING]),
+        ("bucketed", 100 / MIB, [BIAS, HIDDEN, EMBEDDING]),
         ("naive", 25, [BIAS, HIDDEN, EMBEDDING]),
         ("flat", 25, [BIAS + HIDDEN + EMBEDDING]),
         ("overlapped", 25, [BIAS, HIDDEN, EMBEDDING]),
@@ -296,7 +296,7 @@ def test_one_all_reduce_per_bucket_per_step_in_reverse_order(world_size, variant
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_overlapped_and_bucketed_start_all_reduces_during_backward(variant, cluster2):
-    timeline = cluster2.trace(traced_steps, variant, 100 / MB, 1)
+    timeline = cluster2.trace(traced_steps, variant, 100 / MIB, 1)
     overlaps = variant in ("overlapped", "bucketed")
     for rank in range(2):
         backward = timeline.select(rank=rank, name="backward")[0]
@@ -322,7 +322,7 @@ def train_with_custom_communication(steps):
     def future_average(bucket):
         return dist.all_reduce(bucket, async_op=True).get_future().then(lambda future: future.value()[0] / N)
 
-    cap = (BIAS + HIDDEN) / MB
+    cap = (BIAS + HIDDEN) / MIB
     return {
         "ring": train("bucketed", steps, bucket_cap_mb=cap, all_reduce=ring_all_reduce),
         "future": train("bucketed", steps, bucket_cap_mb=cap, comm_hook=future_average),

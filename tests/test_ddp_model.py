@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from parlab.alpha_beta import cost_model
-from parlab.ddp import MB, assign_buckets
-from parlab.ddp import bucket_overlap, predict_overlap, predict_step
+from parlab.ddp import assign_buckets, bucket_overlap, predict_overlap, predict_step
+from parlab.units import MIB
 
 ALPHA, BETA = 1e-3, 1e-6  # 1 ms per message, 1 ms per KB: round numbers to compute by hand
 
@@ -54,7 +54,7 @@ def test_all_reduces_queue_one_at_a_time_when_communication_is_slower():
 
 def test_bucket_overlap_uses_the_ddp_plan_in_reverse_order():
     model = three_layers()
-    plan = bucket_overlap(model, 48 / MB, 2, ALPHA, BETA, backward_seconds=0.12)
+    plan = bucket_overlap(model, 48 / MIB, 2, ALPHA, BETA, backward_seconds=0.12)
     assert plan["names"] == ["1.bias", "1.weight", "0.bias", "0.weight"]  # frozen 2.* left out
     assert plan["nbytes"] == [8, 32, 16, 64]
     # assign_buckets' [[3, 2], [1], [0]] in registration indices is [[0, 1], [2], [3]] in launch order

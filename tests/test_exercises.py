@@ -300,7 +300,8 @@ def test_unknown_topics_are_refused_with_the_list_of_topics(capsys):
     assert "the topics are: async_sgd, collectives" in capsys.readouterr().err
     with pytest.raises(ValueError, match="^there is no topic 'nope'; the topics are: async_sgd, collectives"):
         grade.check("nope")
-    with pytest.raises(ValueError, match="^there is no task 'nope.ring_all_reduce': did you mean 'collectives.ring_all"):
+    with pytest.raises(ValueError,
+                       match="^there is no task 'nope.ring_all_reduce': did you mean 'collectives.ring_all"):
         grade.check("nope.ring_all_reduce")
 
 

@@ -94,7 +94,8 @@ def test_the_readme_layout_names_every_folder_of_the_package():
     readme = (PACKAGE.parent / "README.md").read_text()
     layout = readme.split("## Layout", 1)[1].split("```")[1]
     folders = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
-    assert folders and all(f"{folder}/" in layout for folder in folders), sorted(f for f in folders if f"{f}/" not in layout)
+    missing = sorted(folder for folder in folders if f"{folder}/" not in layout)
+    assert folders and not missing, f"the README's layout does not name {missing}"
     for name in ABOVE_TECHNIQUES:
         assert name in MODULES, name
     assert {name.split(".")[1] for name in TECHNIQUES} <= {name.split(".")[1] for name in MODULES if "." in name}

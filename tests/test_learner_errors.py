@@ -12,12 +12,12 @@ import torch.distributed as dist
 from torch import nn
 
 from parlab import alpha_beta, collectives, ddp, emulated, flat, memory, processes_vs_threads, trace, viz
-from parlab.ddp import sampler
 from parlab.bench import collectives as bench_collectives
 from parlab.bench import ddp as bench_ddp
 from parlab.bench import pipeline as bench_pipeline
 from parlab.bench import runtime as bench_runtime
 from parlab.bench import zero as bench_zero
+from parlab.ddp import sampler
 from parlab.pipeline import executor, grid, schedule, stages
 from parlab.pipeline.simulate import bubble_formula, bubble_fraction, bubble_ratio_playbook, idle_fraction, simulate
 from parlab.runtime import mesh
@@ -74,7 +74,7 @@ CASES = {
     "fit_alpha_beta nan time": (lambda: alpha_beta.fit_alpha_beta([1, 2], [1e-5, math.nan]),
                                 r"needs measured times above zero"),
     # --- data parallelism ----------------------------------------------------------------------
-    "assign_buckets '25'": (lambda: ddp.assign_buckets([12], "25"), r"pass a number of bytes, e.g. 25 \* MB"),
+    "assign_buckets '25'": (lambda: ddp.assign_buckets([12], "25"), r"pass a number of bytes, e.g. 25 \* MIB"),
     "assign_buckets nan": (lambda: ddp.assign_buckets([12], math.nan), r"math.inf one bucket for all"),
     "DDP bucket_cap_mb nan": (lambda: ddp.DDP(LINEAR, bucket_cap_mb=math.nan), r"a number of MiB such as 25"),
     "DDP bucket_cap_mb '25'": (lambda: ddp.DDP(LINEAR, bucket_cap_mb="25"), r"a number of MiB such as 25"),

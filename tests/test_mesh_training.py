@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 import parlab
-from parlab.gpt import GPT, CharDataset, GPTConfig
-from parlab.numerics import assert_equivalent, backward_in_shards, ring_orders
+from parlab.gpt import GPT, GPTConfig, batches, train_in_one_process
+from parlab.numerics import assert_equivalent, ring_orders
 from parlab.tensor_parallel import ParallelGPT
 
 CONFIG = GPTConfig(V=64, s=16, h=32, a=4, L=2)
@@ -25,12 +25,6 @@ FOUR = [(dict(dp=2, tp=2), 1, 1, None), (dict(dp=2, tp=2), 3, 2, "selective"), (
         (dict(dp=2, pp=2), 2, 2, "full"), (dict(dp=2, pp=2), 3, 2, None), (dict(tp=2, pp=2), 3, 2, "full")]
 
 
-@functools.cache
-def batches():
-    data, generator = CharDataset(), torch.Generator().manual_seed(1)
-    return [data.batch(B, CONFIG.s, generator) for _ in range(STEPS)]
-
-
 def train_on_mesh(shape, zero, M, recompute, references):
     """On every rank: (the full batch's mean loss at each step, this rank's gradients of step 1
     by name, the one-process ``references``' gradients as they would be on this rank: a
@@ -41,7 +35,7 @@ def train_on_mesh(shape, zero, M, recompute, references):
     with parlab.Mesh(**shape) as mesh:
         trainer = MeshGPT(GPT(CONFIG), mesh, zero=zero, microbatches=M, recompute=recompute, lr=LR)
         losses, gradients = [], None
-        for i, (tokens, targets) in enumerate(batches()):
+        for i, (tokens, targets) in enumerate(batches(B, CONFIG.s, STEPS, seed=1)):
             losses.append(torch.tensor(trainer.step(tokens, targets, keep_gradients=i == 0), dtype=torch.float64))
             gradients = gradients or trainer.gradients
         total = torch.stack(losses)
@@ -72,20 +66,7 @@ def stage_of(named, mesh, sequence_parallel):
 def one_process(shards=1, order=None):
     """(losses of the STEPS steps, gradients of step 1) of the GPT in one process, Adam, each
     gradient computed in ``shards`` parts summed in ``order`` (``backward_in_shards``)."""
-    torch.manual_seed(0)
-    model = GPT(CONFIG)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    losses = []
-    for step, (tokens, targets) in enumerate(batches()):
-        optimizer.zero_grad()
-        with torch.no_grad():
-            losses.append(model.loss(tokens, targets))
-        parts = list(zip(tokens.tensor_split(shards), targets.tensor_split(shards)))
-        backward_in_shards(model.loss, model.parameters(), parts, order)
-        if step == 0:
-            gradients = {name: p.grad.clone() for name, p in model.named_parameters()}
-        optimizer.step()
-    return torch.stack(losses), gradients
+    return train_in_one_process(CONFIG, batches(B, CONFIG.s, STEPS, seed=1), LR, shards, order)
 
 
 def assert_like_one_process(cluster, config):
@@ -126,7 +107,7 @@ def learner_mistakes():
                 MeshGPT(GPT(CONFIG), mesh, **options)
             except ValueError as error:
                 messages.append(str(error))
-        tokens, targets = batches()[0]
+        tokens, targets = batches(B, CONFIG.s, 1, seed=1)[0]
         try:
             MeshGPT(GPT(CONFIG), mesh, microbatches=2).step(tokens[:6], targets[:6])
         except ValueError as error:
@@ -144,5 +125,5 @@ def test_bad_arguments_say_what_to_change(cluster2):
         zero, offload, recompute, microbatches, batch = messages
         assert "zero must be a ZeRO stage 0, 1, 2 or 3, got 4" in zero
         assert "offload moves the optimizer's shard to the host at ZeRO stages 1 and 2" in offload
-        assert "'full' every layer" in recompute and "microbatches must be a whole number" in microbatches
+        assert '"full" the whole layer' in recompute and "microbatches must be a whole number" in microbatches
         assert "a batch of 6 sequences does not split into dp = 2 replicas of M = 2" in batch

@@ -16,12 +16,13 @@ from parlab.memory import (
     transformer_activation_bytes,
 )
 from parlab.pipeline import bubble_formula
-from parlab.plan import GIB, Batch, Cluster, Model, Plan, best_plans, grids, plan_memory, plan_time, plans
+from parlab.plan import Batch, Hardware, Model, Plan, best_plans, grids, plan_memory, plan_time, plans
 from parlab.runtime import Link
+from parlab.units import GIB
 from parlab.zero.formulas import offload_state_bytes
 
 SEVEN_B, SEVENTY_B = Model.llama2_7b(), Model.llama2_70b()
-NODE, FOUR_NODES, SIXTY_FOUR_NODES = (Cluster.dgx_a100(nodes) for nodes in (1, 4, 64))
+NODE, FOUR_NODES, SIXTY_FOUR_NODES = (Hardware.dgx_a100(nodes) for nodes in (1, 4, 64))
 
 
 def find(every, offload=False, shard_group=None, **layout):
@@ -217,10 +218,10 @@ def test_a_plan_that_does_not_fit_says_how_much_it_needs():
 
 
 def test_the_reserve_rejects_a_plan_that_fits_only_in_the_last_tenth_of_memory():
-    loose = plans(SEVENTY_B, Batch(1536), Cluster.dgx_a100(nodes=64), reserve=0)
+    loose = plans(SEVENTY_B, Batch(1536), Hardware.dgx_a100(nodes=64), reserve=0)
     tight = [p for p in loose if not p.rejected and 72 * GIB < p.memory.total <= 80 * GIB]
     assert tight, "some 70B plan on 64 nodes must fill 72 to 80 GiB for this test to mean anything"
-    reserved = plans(SEVENTY_B, Batch(1536), Cluster.dgx_a100(nodes=64))
+    reserved = plans(SEVENTY_B, Batch(1536), Hardware.dgx_a100(nodes=64))
     for plan in tight:
         again = find(reserved, N_d=plan.N_d, t=plan.t, K=plan.K, zero=plan.zero, b=plan.b, recompute=plan.recompute,
                      offload=plan.offload, shard_group=plan.shard_group)
@@ -257,9 +258,9 @@ def test_the_small_gpt_is_counted_from_its_module():
     (lambda: Batch(8, b=16), "choose b <= B"),
     (lambda: Batch(8, b=()), "tuple"),
     (lambda: Batch(8, b=(1, 1.5)), "micro-batch size"),
-    (lambda: Cluster(8, 1, 80 * GIB, 312e12, intra="nvlink", inter=Link(1e-5, 25e9)), "parlab.Link"),
-    (lambda: Cluster(8, 1, 0, 312e12, intra=Link(5e-6, 300e9), inter=Link(1e-5, 25e9)), "memory"),
-    (lambda: Cluster(0, 1, 80 * GIB, 312e12, intra=Link(5e-6, 300e9), inter=Link(1e-5, 25e9)), "gpus_per_node"),
+    (lambda: Hardware(8, 1, 80 * GIB, 312e12, intra="nvlink", inter=Link(1e-5, 25e9)), "parlab.Link"),
+    (lambda: Hardware(8, 1, 0, 312e12, intra=Link(5e-6, 300e9), inter=Link(1e-5, 25e9)), "memory"),
+    (lambda: Hardware(0, 1, 80 * GIB, 312e12, intra=Link(5e-6, 300e9), inter=Link(1e-5, 25e9)), "gpus_per_node"),
     (lambda: plans(SEVEN_B, Batch(8), NODE, efficiency=1.5), "at most 1"),
     (lambda: plans(SEVEN_B, Batch(8), NODE, zero_stages=(4,)), "ZeRO stage"),
     (lambda: plans(SEVEN_B, Batch(8), NODE, reserve=1), "below 1"),

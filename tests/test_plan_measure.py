@@ -7,13 +7,12 @@ import functools
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from parlab.emulated import ComputeTime
-from parlab.gpt import GPT, CharDataset
+from parlab.gpt import batches, train_in_one_process
 from parlab.memory import FP32_ADAM, model_state_bytes
-from parlab.numerics import assert_equivalent, backward_in_shards, ring_orders
-from parlab.plan import Plan, emulated_cluster, measure, plan_time, run_plan, runs
+from parlab.numerics import assert_equivalent, ring_orders
+from parlab.plan import Plan, emulated_hardware, measure, plan_time, run_plan, runs
 
 STEPS = 1  # after the warm-up step: two losses, the second after one Adam step
 pytestmark = pytest.mark.timeout(240)
@@ -29,10 +28,10 @@ def trained(cluster4, cluster8):
     results = {}
     for plan in measure.predicted_plans():
         layout = (plan.N_d, plan.t, plan.K, plan.zero, plan.b, plan.M, plan.recompute)
-        ranks = plan.N_d * plan.t * plan.K
+        ranks = plan.ranks
         if ranks == 4 or layout[:5] + layout[6:] in EIGHT:
-            cluster = cluster4 if ranks == 4 else cluster8
-            results[plan] = cluster.run(runs.train_plan, layout, measure.BATCH.B, 0.0, STEPS)
+            hardware = cluster4 if ranks == 4 else cluster8
+            results[plan] = hardware.run(runs.train_plan, layout, measure.BATCH.B, 0.0, STEPS)
     assert len(results) == sum(len(layout) and layout[0] * layout[1] * layout[2] == 4 for layout in measure.LAYOUTS) \
         + len(EIGHT)
     return results
@@ -42,23 +41,8 @@ def trained(cluster4, cluster8):
 def one_process(shards=1, order=None):
     """The full batch's mean loss at each step of Adam in one process; with ``shards``, the
     gradient computed as that many ranks do (the yardstick's runs)."""
-    torch.manual_seed(0)
-    gpt = GPT(runs.CONFIG)
-    optimizer = torch.optim.Adam(gpt.parameters(), lr=runs.LR)
-    data, generator = CharDataset(), torch.Generator().manual_seed(0)
-    losses = []
-    for _ in range(STEPS + 1):
-        tokens, targets = data.batch(measure.BATCH.B, runs.CONFIG.s, generator)
-        with torch.no_grad():
-            losses.append(_loss(gpt, tokens, targets))
-        parts = list(zip(tokens.tensor_split(shards), targets.tensor_split(shards)))
-        backward_in_shards(functools.partial(_loss, gpt), gpt.parameters(), parts, order)
-        optimizer.step()
-    return torch.stack(losses)
-
-
-def _loss(gpt, tokens, targets):
-    return F.cross_entropy(gpt(tokens).flatten(0, 1), targets.flatten())
+    data = batches(measure.BATCH.B, runs.CONFIG.s, STEPS + 1)
+    return train_in_one_process(runs.CONFIG, data, runs.LR, shards, order)[0]
 
 
 def test_the_plans_cover_every_engine_on_one_two_and_three_axes():
@@ -118,12 +102,12 @@ def test_tensor_and_pipeline_states_are_the_formula_of_the_rank_s_own_parameters
 def test_the_declared_compute_adds_up_to_the_planner_s_compute():
     model = measure.model()
     for plan in measure.predicted_plans():
-        cluster = emulated_cluster(plan.N_d * plan.t * plan.K)
+        hardware = emulated_hardware(plan.ranks)
         # forward, backward (twice the forward), and the forward again when recomputed
-        forward, backward = measure.declared_seconds(plan, cluster)
+        forward, backward = measure.declared_seconds(plan, hardware)
         per_layer = forward * (2 if plan.recompute == "full" else 1) + backward
         declared = per_layer * (model.L // plan.K) * plan.M
-        predicted = plan_time(model, measure.BATCH, cluster, plan, FP32_ADAM, efficiency=1.0).compute
+        predicted = plan_time(model, measure.BATCH, hardware, plan, FP32_ADAM, efficiency=1.0).compute
         assert declared == pytest.approx(predicted, rel=1e-12)
 
 
@@ -153,7 +137,7 @@ def test_bad_arguments_are_explained_before_any_rank_starts():
     with pytest.raises(ValueError, match="is not a plan of 4 or 8 ranks"):
         measure.check_plans(layouts=[(3, 1, 1, 0, 4, None)])
     with pytest.raises(ValueError, match="runs on N_d t K = 8 ranks"):
-        run_plan(measure.predicted_plans(layouts=[(2, 2, 2, 0, 2, None)])[0], cluster=emulated_cluster(4))
+        run_plan(measure.predicted_plans(layouts=[(2, 2, 2, 0, 2, None)])[0], hardware=emulated_hardware(4))
 
 
 def test_each_plan_carries_the_prediction_the_run_is_costed_by():
@@ -163,7 +147,7 @@ def test_each_plan_carries_the_prediction_the_run_is_costed_by():
         assert memory.states == model_state_bytes(measure.model().psi / (plan.t * plan.K), plan.zero, plan.N_d,
                                                   *FP32_ADAM)
         hides = (plan.K == 1 and plan.zero == 0) or plan.zero in (2, 3)  # DDP without a pipeline, ZeRO-2, FSDP
-        cluster = emulated_cluster(plan.N_d * plan.t * plan.K)
-        exposed = plan_time(measure.model(), measure.BATCH, cluster, plan, FP32_ADAM, efficiency=1.0,
+        hardware = emulated_hardware(plan.ranks)
+        exposed = plan_time(measure.model(), measure.BATCH, hardware, plan, FP32_ADAM, efficiency=1.0,
                             activation_bytes=4, overlapped=()).data
         assert (seconds.data < exposed) if hides and plan.N_d > 1 else (seconds.data == exposed)

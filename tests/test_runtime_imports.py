@@ -14,7 +14,7 @@ import parlab
 import parlab.runtime
 
 # The plumbing of the `parlab` command and of pytest; everything else is for learners.
-NOT_PUBLIC = {"__main__", "cli", "grading_plugin"}
+NOT_PUBLIC = {"__main__", "cli"}
 PUBLIC = sorted(
     module.name for module in pkgutil.iter_modules(parlab.__path__)
     if module.name not in NOT_PUBLIC and not module.name.startswith("_")

@@ -5,7 +5,7 @@ import matplotlib
 import pytest
 from test_ddp_model import three_layers
 
-from parlab.ddp import MB
+from parlab.units import MIB
 from parlab.widgets.ddp import bucket_widget, plot_bucket_sweep, plot_buckets
 
 matplotlib.use("Agg")
@@ -30,7 +30,7 @@ def bars(ax, row):
 
 @pytest.mark.timeout(30)
 def test_plot_buckets_draws_one_bar_per_parameter_and_per_bucket_in_the_bucket_colours():
-    ax = plot_buckets(three_layers(), 48 / MB, N_D, ALPHA, BETA, backward_seconds=0.12)
+    ax = plot_buckets(three_layers(), 48 / MIB, N_D, ALPHA, BETA, backward_seconds=0.12)
     backward, all_reduce = bars(ax, "backward"), bars(ax, "all-reduce")
     assert [round(width, 6) for _, width, _ in backward] == [8, 32, 16, 64]  # ms, proportional to bytes
     assert [round(x, 6) for x, _, _ in all_reduce] == [40, 56, 120]

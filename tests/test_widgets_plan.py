@@ -9,11 +9,12 @@ from dataclasses import replace
 import matplotlib
 import pytest
 
-from parlab.plan import GIB, Batch, Cluster, Measured, Model, format_table, measure, plan_table, plans
-from parlab.widgets.plan import cluster_of, format_measured, plan_widget, plot_plans, plot_predicted_vs_measured
+from parlab.plan import Batch, Hardware, Measured, Model, format_table, measure, plan_table, plans
+from parlab.units import GIB
+from parlab.widgets.plan import format_measured, hardware_of, plan_widget, plot_plans, plot_predicted_vs_measured
 
 matplotlib.use("Agg")
-SEVENTY_B, SIXTY_FOUR_NODES = Model.llama2_70b(), Cluster.dgx_a100(64)
+SEVENTY_B, SIXTY_FOUR_NODES = Model.llama2_70b(), Hardware.dgx_a100(64)
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def test_the_points_are_the_fastest_plans_time_and_memory(every):
 
 
 def test_each_point_names_its_plan_recompute_offload_and_shard_group_included():
-    node, four_nodes = Cluster.dgx_a100(1), Cluster.dgx_a100(4)
+    node, four_nodes = Hardware.dgx_a100(1), Hardware.dgx_a100(4)
     every = plans(SEVENTY_B, Batch(1024), node)
     best = next(p for p in every if not p.rejected)
     labels = [text.get_text() for text in plot_plans(every, node, n=8).texts]
@@ -49,7 +50,7 @@ def test_each_point_names_its_plan_recompute_offload_and_shard_group_included():
 
 
 def test_a_small_model_is_drawn_in_mib_without_flattening_it_under_the_gpu_line():
-    node = Cluster.dgx_a100(1)
+    node = Hardware.dgx_a100(1)
     every = plans(Model.small_gpt(), Batch(512), node)
     ax = plot_plans(every, node, n=4)
     accepted = [p for p in every if not p.rejected][:4]
@@ -60,7 +61,7 @@ def test_a_small_model_is_drawn_in_mib_without_flattening_it_under_the_gpu_line(
 
 
 def test_with_nothing_accepted_the_chart_says_why():
-    small_host = replace(Cluster.dgx_a100(1), host_memory=2**40)  # the DGX A100 320GB's 1 TB: the 70B does not fit
+    small_host = replace(Hardware.dgx_a100(1), host_memory=2**40)  # the DGX A100 320GB's 1 TB: the 70B does not fit
     every = plans(SEVENTY_B, Batch(1536), small_host)
     ax = plot_plans(every, small_host)
     assert points(ax) == {}
@@ -83,7 +84,7 @@ def test_the_table_rows_are_the_plans(every):
 
 
 def test_an_unbuildable_plan_has_dashes_for_its_numbers():
-    every = plans(Model.small_gpt(), Batch(64, b=3), Cluster.dgx_a100(1))
+    every = plans(Model.small_gpt(), Batch(64, b=3), Hardware.dgx_a100(1))
     [line] = format_table(plan_table(every, n=0, rejected=1)).splitlines()[1:]
     assert "does not split" in line and line.split().count("-") == 10  # S, M, GiB, the step and its six terms
 
@@ -98,7 +99,7 @@ def test_the_widget_answers_its_controls():
     feedback, image, table = widget.children[3:6]
     status = feedback.children[0]
     assert image.value[:4] == b"\x89PNG" and "accepted" in table.value
-    expected = plans(Model.small_gpt(), Batch(512), cluster_of(8, 1, 80, intra.value, inter.value))
+    expected = plans(Model.small_gpt(), Batch(512), hardware_of(8, 1, 80, intra.value, inter.value))
     best = expected[0]
     assert table.value.splitlines()[1].split()[:3] == [str(best.N_d), str(best.t), str(best.K)]
     assert status.value == (f"{sum(not p.rejected for p in expected)} of {len(expected)} plans accepted on 1 x 8 GPUs "
@@ -108,7 +109,7 @@ def test_the_widget_answers_its_controls():
     assert (image.value, table.value) == (picture, text) and status.value.endswith("50 GB/s between nodes.")
     picture = image.value
     chosen.value, batch.value = "70B", 1536
-    hosted = plans(SEVENTY_B, Batch(1536), cluster_of(8, 1, 80, intra.value, inter.value))[0]
+    hosted = plans(SEVENTY_B, Batch(1536), hardware_of(8, 1, 80, intra.value, inter.value))[0]
     assert image.value != picture and hosted.offload  # one node holds the 70B only offloaded to its host
     assert table.value.splitlines()[1].split()[:3] == [str(hosted.N_d), str(hosted.t), str(hosted.K)]
     memory.value = 16

@@ -14,8 +14,8 @@ from torch import nn
 
 import parlab
 from parlab import collectives, trace
-from parlab.ddp import MB
 from parlab.runtime import emulation
+from parlab.units import MIB
 from parlab.zero import FSDP, ZeroDP
 
 LINK = parlab.Link(latency=1e-3, bandwidth=20e6)  # a layer's bucket (16.6 kB): a few ms on it
@@ -50,7 +50,7 @@ def chain():
 
 
 def zero_step(stage):
-    engine = ZeroDP(chain(), torch.optim.SGD, stage=stage, bucket_cap_mb=LAYER_BYTES / MB, lr=0.1)  # a bucket a layer
+    engine = ZeroDP(chain(), torch.optim.SGD, stage=stage, bucket_cap_mb=LAYER_BYTES / MIB, lr=0.1)  # a bucket a layer
     # an input that wants its gradient: the first layer's backward computes too, after its bucket is launched
     x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(dist.get_rank())).requires_grad_()
     for step in range(2):  # the first step makes the ring's receive buffers; the second is traced
@@ -132,7 +132,7 @@ def stages_beside_main_thread_collectives():
         for stage in (0, 1, 2):
             torch.manual_seed(0)
             engine = ZeroDP(AllReducingChain(row), torch.optim.SGD, stage=stage, lr=0.1, group=column,
-                            **({} if stage == 1 else dict(bucket_cap_mb=LAYER_BYTES / MB)))
+                            **({} if stage == 1 else dict(bucket_cap_mb=LAYER_BYTES / MIB)))
             x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(rank // 2))
             for _ in range(3):
                 engine.zero_grad()

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from test_zero_stage2 import CAPS, OPTIMIZERS, accumulate_two_micro_batches, build_chain, my_shard, reference
 
 from parlab import trace
-from parlab.ddp import MB
 from parlab.memory import ring_traffic_bytes
 from parlab.numerics import assert_equivalent, ring_orders
+from parlab.units import MIB
 from parlab.zero import ZeroDP
 
 STEPS = 4
@@ -22,7 +22,7 @@ STEPS = 4
 
 def traced_training(optimizer_name, cap):
     optimizer_class, options = OPTIMIZERS[optimizer_name]
-    engine = ZeroDP(build_chain(seed=dist.get_rank()), optimizer_class, stage=0, bucket_cap_mb=cap / MB, **options)
+    engine = ZeroDP(build_chain(seed=dist.get_rank()), optimizer_class, stage=0, bucket_cap_mb=cap / MIB, **options)
     x, y = my_shard()
     with trace.span("steps"):
         for _ in range(STEPS):

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from parlab import trace
-from parlab.ddp import MB
 from parlab.memory import ring_traffic_bytes
 from parlab.numerics import assert_equivalent, backward_in_shards, ring_orders
+from parlab.units import MIB
 from parlab.zero import ZeroDP
 from parlab.zero.formulas import stage2_peak_gradient_bytes
 
@@ -47,7 +47,7 @@ def my_shard():
 def train(stage, optimizer_name, cap=None):
     optimizer_class, options = OPTIMIZERS[optimizer_name]
     engine = ZeroDP(build_chain(seed=dist.get_rank()), optimizer_class, stage=stage,
-                    **({} if cap is None else dict(bucket_cap_mb=cap / MB)), **options)
+                    **({} if cap is None else dict(bucket_cap_mb=cap / MIB)), **options)
     x, y = my_shard()
     for _ in range(STEPS):
         engine.zero_grad()
@@ -97,7 +97,7 @@ def test_bucketed_stage_2_is_stage_1_bit_for_bit_and_one_process_within_the_band
 
 
 def traced_step(cap):
-    engine = ZeroDP(build_chain(), torch.optim.Adam, stage=2, bucket_cap_mb=cap / MB)
+    engine = ZeroDP(build_chain(), torch.optim.Adam, stage=2, bucket_cap_mb=cap / MIB)
     x, y = my_shard()
     with trace.span("steps"):
         for _ in range(2):
@@ -134,7 +134,7 @@ def layers_engine(stage, buckets=None):
     an input batch."""
     torch.manual_seed(0)
     model = nn.Sequential(*[layer for _ in range(LAYERS) for layer in (nn.Linear(WIDTH, WIDTH), nn.Tanh())])
-    cap = {"bucket_cap_mb": STAGE2_CAPS[buckets] / MB} if stage == 2 else {}
+    cap = {"bucket_cap_mb": STAGE2_CAPS[buckets] / MIB} if stage == 2 else {}
     return ZeroDP(model, torch.optim.Adam, stage=stage, lr=1e-3, **cap), torch.randn(4, WIDTH)
 
 
@@ -213,7 +213,7 @@ def accumulate_two_micro_batches(stage, second_head):
     the micro-batches ``second_head`` says (when not from the last, its bucket is
     reduced in step()). Integer data: any order of additions gives the same bits."""
     engine = ZeroDP(two_heads(), torch.optim.SGD, stage=stage, lr=2.0**-6,
-                    **({"bucket_cap_mb": 1 / MB} if stage != 1 else {}))
+                    **({"bucket_cap_mb": 1 / MIB} if stage != 1 else {}))
     x = torch.randint(-2, 3, (8, 4), generator=torch.Generator().manual_seed(dist.get_rank())).float()
     engine.zero_grad()
     for micro, part in enumerate(x.chunk(2)):

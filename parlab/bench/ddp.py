@@ -61,8 +61,9 @@ from parlab.bench.ddp_steps import (
     slowest_rank,
     timed_step,
 )
-from parlab.ddp import DDP, MB
+from parlab.ddp import DDP
 from parlab.runtime.emulation import Link
+from parlab.units import MIB
 
 VARIANTS = ["torch", "naive", "flat", "overlapped", "bucketed"]
 REFERENCE = "torch DDP"
@@ -193,7 +194,7 @@ def layer_caps_mb(width, depth):
     """The bucket caps of the emulated sweep, in MiB: one layer's gradient, two layers', four,
     ..., and all ``depth`` of them."""
     layers = [2**k for k in range(depth.bit_length()) if 2**k < depth] + [depth]
-    return [count * 4 * width * width / MB for count in layers]
+    return [count * 4 * width * width / MIB for count in layers]
 
 
 def measure_emulated(cluster, link, width, depth, steps, backward_s=None):
@@ -263,7 +264,7 @@ def format_emulated(result):
     )
     return (
         f"emulated: link {link.describe()}; {result['depth']} bias-free Linear layers of {result['width']} x "
-        f"{result['width']} ({4 * result['width'] ** 2 / MB:g} MiB of gradient each), each with a declared backward "
+        f"{result['width']} ({4 * result['width'] ** 2 / MIB:g} MiB of gradient each), each with a declared backward "
         f"and half of it as forward, batch {EMULATED_BATCH} per rank; median of {result['steps']} steps, slowest "
         f"rank\nmodel = parlab.ddp.predict_step: ring all-reduce per bucket, 2 (N - 1) alpha + 2 (N - 1)/N "
         f"B beta, one at a time, overlapping backward; saving = flat's step - this one's\n\n{table}"

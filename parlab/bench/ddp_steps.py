@@ -22,8 +22,7 @@ from torch import nn
 from parlab import runtime, trace
 from parlab._checks import real_number, whole_number
 from parlab.bench import synchronise
-from parlab.ddp import DDP, VARIANTS, trainable_parameters
-from parlab.ddp import predict_step
+from parlab.ddp import DDP, VARIANTS, predict_step, trainable_parameters
 from parlab.emulated import SleepLayer
 
 SEED = 0

@@ -41,14 +41,14 @@ def bench_plan(steps=2, plans=None):
     rows = [plan_row(m) for m in measure.check_plans(steps=steps, layouts=layouts, desc="parlab bench plan")]
     return {"torch_version": torch.__version__, "cpu_count": os.cpu_count(), "steps": steps,
             "cluster": "emulated: 1 node x 4 or 8 ranks", "link": measure.LINK.describe(),
-            "cluster_flops": measure.CLUSTER_FLOPS, "batch": measure.BATCH.B, "psi": measure.model().psi,
+            "cluster_flops": measure.HARDWARE_FLOPS, "batch": measure.BATCH.B, "psi": measure.model().psi,
             "ratio_means": ratio_header(REFERENCE), "rows": rows}
 
 
 def plan_row(m):
     """One row of the result from a ``parlab.plan.Measured``."""
     p, t = m.plan, m.predicted_time
-    return {"plan": plan_label(p, long=True), "ranks": p.N_d * p.t * p.K,
+    return {"plan": plan_label(p, long=True), "ranks": p.ranks,
             "predicted_s": t.total, "terms": t._asdict(), "measured_s": m.step_seconds, "ratio": m.time_ratio,
             "predicted_state_bytes": m.predicted_memory.states.total, "measured_state_bytes": m.state_bytes,
             "state_ratio": m.state_ratio}

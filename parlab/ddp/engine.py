@@ -54,6 +54,7 @@ from parlab import background, collectives, p2p, trace
 from parlab._checks import place_in, real_number
 from parlab.memory import measure_model_state
 from parlab.runtime import emulation
+from parlab.units import MIB  # bucket_cap_mb counts mebibytes, as torch's
 
 # variant -> (the bucket cap in MiB, launched during backward?). A cap of 0 gives every
 # parameter a bucket of its own, an infinite cap one bucket for all.
@@ -63,7 +64,6 @@ VARIANTS = {
     "overlapped": (0, True),
     "bucketed": (None, True),  # None: the bucket_cap_mb argument
 }
-MB = 1024 * 1024  # bucket_cap_mb counts mebibytes, as torch's
 
 
 def assign_buckets(sizes_in_bytes, bucket_cap_bytes):
@@ -79,10 +79,10 @@ def assign_buckets(sizes_in_bytes, bucket_cap_bytes):
 
     E.g. sizes [264, 144, 24] with a cap of 168 bytes: [[2, 1], [0]], all-reduces of 168 and
     264 bytes. A cap of 0 gives every parameter a bucket of its own, ``math.inf`` one bucket
-    for all; no parameters, no buckets. DDP's ``bucket_cap_mb`` is ``bucket_cap_bytes / MB``.
+    for all; no parameters, no buckets. DDP's ``bucket_cap_mb`` is ``bucket_cap_bytes / MIB``.
     """
     real_number("bucket_cap_bytes (the size of a bucket in bytes)", bucket_cap_bytes,
-                "pass a number of bytes, e.g. 25 * MB (25 MiB, torch's default); 0 gives every parameter a bucket "
+                "pass a number of bytes, e.g. 25 * MIB (25 MiB, torch's default); 0 gives every parameter a bucket "
                 "of its own, math.inf one bucket for all.", infinite=True)
     for i, nbytes in enumerate(sizes_in_bytes):
         real_number(f"sizes_in_bytes[{i}] (a gradient's size in bytes)", nbytes,
@@ -176,7 +176,7 @@ class DDP(torch.nn.Module):
         sizes = [p.numel() * p.element_size() for p in self.parameters_to_sync]
         self.buckets = [
             Bucket([self.parameters_to_sync[i] for i in indices])
-            for indices in assign_buckets(sizes, (bucket_cap_mb if cap_mb is None else cap_mb) * MB)
+            for indices in assign_buckets(sizes, (bucket_cap_mb if cap_mb is None else cap_mb) * MIB)
         ]
         if during_backward:
             for bucket in self.buckets:

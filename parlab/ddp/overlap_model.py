@@ -13,7 +13,8 @@ the links are emulated, costing 2 (N_d - 1) alpha + 2 (N_d - 1)/N_d D_i beta for
 
 from parlab._checks import module, real_number, whole_number
 from parlab.alpha_beta import cost_model
-from parlab.ddp.engine import MB, VARIANTS, assign_buckets, trainable_parameters
+from parlab.ddp.engine import VARIANTS, assign_buckets, trainable_parameters
+from parlab.units import MIB
 
 
 def predict_overlap(bucket_bytes, ready_times, N_d, alpha, beta):
@@ -91,7 +92,7 @@ def bucket_overlap(model, bucket_cap_mb, N_d, alpha, beta, backward_seconds=None
                          f"got {len(parameter_ready)}.")
     cap_mb, during_backward = VARIANTS[variant]
     last = len(sizes) - 1
-    plan = assign_buckets(sizes, (bucket_cap_mb if cap_mb is None else cap_mb) * MB)
+    plan = assign_buckets(sizes, (bucket_cap_mb if cap_mb is None else cap_mb) * MIB)
     buckets = [[last - index for index in bucket] for bucket in plan]
     order = list(reversed(range(len(sizes))))
     ready = [parameter_ready[index] for index in order]

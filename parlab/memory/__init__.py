@@ -29,7 +29,7 @@ shards more of them at each stage (bytes per device):
 7.5B parameters on N_d = 64: 120, 31.4, 16.6 and 1.9 GB (GB = 1e9 bytes).
 """
 
-from parlab.memory.activations import transformer_activation_bytes
+from parlab.memory.activations import RECOMPUTE, check_recompute, transformer_activation_bytes
 from parlab.memory.deepspeed import Estimate, deepspeed_zero2_estimate, deepspeed_zero3_estimate
 from parlab.memory.measure import measure_model_state, storage_bytes
 from parlab.memory.model_states import (
@@ -49,7 +49,7 @@ from parlab.memory.model_states import (
     ring_traffic_bytes,
 )
 
-__all__ = ["FP32_ADAM", "FP32_SGD_MOMENTUM", "GB", "MIXED_ADAM", "PRECISIONS", "STAGES", "Estimate", "ModelState",
-           "Precision", "check_stage", "communication_volume", "deepspeed_zero2_estimate", "deepspeed_zero3_estimate",
-           "fits", "measure_model_state", "model_state_bytes", "ring_communication_seconds", "ring_traffic_bytes",
-           "storage_bytes", "transformer_activation_bytes"]
+__all__ = ["FP32_ADAM", "FP32_SGD_MOMENTUM", "GB", "MIXED_ADAM", "PRECISIONS", "RECOMPUTE", "STAGES", "Estimate",
+           "ModelState", "Precision", "check_recompute", "check_stage", "communication_volume",
+           "deepspeed_zero2_estimate", "deepspeed_zero3_estimate", "fits", "measure_model_state", "model_state_bytes",
+           "ring_communication_seconds", "ring_traffic_bytes", "storage_bytes", "transformer_activation_bytes"]

@@ -3,6 +3,15 @@
 from parlab._checks import whole_number
 from parlab.memory._sizes import _check_sizes
 
+RECOMPUTE = (None, "selective", "full")  # what a layer keeps for backward, as the docstring below
+
+
+def check_recompute(recompute):
+    """Refuse a ``recompute`` that is not one of ``RECOMPUTE``, with what each one keeps."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}: None keeps every activation, "
+                         "\"selective\" recomputes the attention scores, \"full\" the whole layer.")
+
 
 def transformer_activation_bytes(s, b, h, a, layers=1, recompute=None, t=1, sequence_parallel=False):
     """Activation bytes of ``layers`` transformer layers kept for backward, in 16-bit
@@ -33,8 +42,7 @@ def transformer_activation_bytes(s, b, h, a, layers=1, recompute=None, t=1, sequ
     if h % t or a % t:
         raise ValueError(f"t (the tensor-parallel degree) must divide h = {h} and a = {a}, got {t}: each of the t "
                          "ranks takes h / t of the hidden size and a / t of the heads; pick a t that divides both.")
-    if recompute not in (None, "selective", "full"):
-        raise ValueError(f'recompute must be None, "selective" or "full", got {recompute!r}.')
+    check_recompute(recompute)
     if recompute == "full":
         return 2 * s * b * h * layers / (t if sequence_parallel else 1)
     linear = 34 / t if sequence_parallel else 10 + 24 / t

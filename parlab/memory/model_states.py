@@ -8,8 +8,8 @@ from typing import NamedTuple
 
 from parlab._checks import real_number, refuse, whole_number
 from parlab.memory._sizes import _check_ranks, _check_sizes
+from parlab.units import GB  # the ZeRO paper's gigabyte, 1e9 bytes
 
-GB = 1e9  # the ZeRO paper's gigabyte
 STAGES = (0, 1, 2, 3)
 
 

@@ -44,9 +44,9 @@ Step time (``plan_time``), in seconds:
               on S ranks over ``intra`` and the gradient shard's all-reduce over the N_d / S
               groups over ``inter``
     offload   with offload: the gradient shard to the host and the parameter shard back
-              over ``cluster.host`` (parlab.zero.formulas.offload_bytes_per_step, each one
+              over ``hardware.host`` (parlab.zero.formulas.offload_bytes_per_step, each one
               Link.time), and the host's optimizer step over the shard's Psi / (t K N_d)
-              parameters at ``cluster.host_update_rate``; not overlapped (ZeRO-Offload can
+              parameters at ``hardware.host_update_rate``; not overlapped (ZeRO-Offload can
               hide part of it behind backward: an upper bound)
 
 Overlap assumed for the data axis: its collectives run behind backward where the technique
@@ -138,7 +138,7 @@ def plan_memory(model, plan, precision=MIXED_ADAM, sequence_parallel=True):
     return Memory(states, activations, host)
 
 
-def plan_time(model, batch, cluster, plan, precision=MIXED_ADAM, efficiency=0.5, sequence_parallel=True,
+def plan_time(model, batch, hardware, plan, precision=MIXED_ADAM, efficiency=0.5, sequence_parallel=True,
               activation_bytes=ACTIVATION_BYTES, overlapped=STAGES, bucket_bytes=BUCKET_BYTES):
     """``StepTime`` of one step of ``plan`` (a ``Plan``; its estimates are not read), by the
     module docstring's formula. ``activation_bytes``: bytes of one activation value in the
@@ -147,39 +147,39 @@ def plan_time(model, batch, cluster, plan, precision=MIXED_ADAM, efficiency=0.5,
     communicates after backward, on the critical path, is costed with ``overlapped=()``.
     ``bucket_bytes``: the gradients' last bucket, whose collective backward cannot hide."""
     N_d, t, K, zero, b, M, recompute = _layout(model, plan)
-    N, s, h = cluster.gpus, model.s, model.h
+    N, s, h = hardware.gpus, model.s, model.h
     flops = {None: 6 * model.psi * batch.B * s, "full": 8 * model.psi * batch.B * s,
              "selective": 6 * model.psi * batch.B * s + 4 * batch.B * s * s * h * model.L}[recompute]
-    compute = flops / (N * cluster.peak_flops * efficiency)
-    forward = 2 * model.psi * batch.B * s / (N * cluster.peak_flops * efficiency)
+    compute = flops / (N * hardware.peak_flops * efficiency)
+    forward = 2 * model.psi * batch.B * s / (N * hardware.peak_flops * efficiency)
     tensor = 0.0
     if t > 1:
-        link = cluster.intra if cluster.within_node(t) else cluster.inter
+        link = hardware.intra if hardware.within_node(t) else hardware.inter
         ends = 2 if K == 1 else 1  # the embedding's and the head's collectives, on the first and last stage
         all_reduces = ((6 if recompute == "full" else 4) * (model.L // K) + ends) * M
         tensor = all_reduces * cost_model("ring", b * s * h * activation_bytes, t, link.latency, 1 / link.bandwidth)
     pipeline = 0.0
     if K > 1:
-        link = cluster.intra if cluster.within_node(N) else cluster.inter
+        link = hardware.intra if hardware.within_node(N) else hardware.inter
         pipeline = 2 * M * link.time(b * s * h * activation_bytes / (t if sequence_parallel else 1))
     busy = compute + tensor + pipeline
     idle = bubble_formula(K, M)
-    data = _exposed_data_seconds(model, cluster, precision, plan, compute, compute - forward, zero in overlapped,
+    data = _exposed_data_seconds(model, hardware, precision, plan, compute, compute - forward, zero in overlapped,
                                  bucket_bytes)
     return StepTime(compute, tensor, pipeline, busy * idle / (1 - idle), data,
-                    _offload_seconds(model, cluster, precision, plan) if plan.offload else 0.0)
+                    _offload_seconds(model, hardware, precision, plan) if plan.offload else 0.0)
 
 
-def _exposed_data_seconds(model, cluster, precision, plan, compute, backward, overlaps, bucket_bytes):
+def _exposed_data_seconds(model, hardware, precision, plan, compute, backward, overlaps, bucket_bytes):
     """The data axis's seconds not hidden: ``backward`` is backward's share of ``compute``,
     its recomputed forward included."""
     N_d, t, K, zero, M = plan.N_d, plan.t, plan.K, plan.zero, plan.M
     if N_d == 1:
         return 0.0
     if plan.shard_group:
-        seconds = M * _hybrid_micro_batch_seconds(model.psi / (t * K), N_d, plan.shard_group, precision, cluster)
+        seconds = M * _hybrid_micro_batch_seconds(model.psi / (t * K), N_d, plan.shard_group, precision, hardware)
     else:
-        link = cluster.intra if cluster.within_node(t * N_d) else cluster.inter
+        link = hardware.intra if hardware.within_node(t * N_d) else hardware.inter
         padded = _padded(model.psi / (t * K), N_d)
         one_micro_batch = ring_communication_seconds([padded], N_d, precision.grad_bytes, zero, link.latency,
                                                      link.bandwidth)
@@ -187,38 +187,38 @@ def _exposed_data_seconds(model, cluster, precision, plan, compute, backward, ov
     if not overlaps:
         return seconds
     hidden_behind = {0: backward / M, 1: backward / M, 2: backward, 3: compute}[zero]
-    return max(seconds - hidden_behind, _last_bucket_seconds(model, cluster, precision, plan, bucket_bytes))
+    return max(seconds - hidden_behind, _last_bucket_seconds(model, hardware, precision, plan, bucket_bytes))
 
 
-def _last_bucket_seconds(model, cluster, precision, plan, bucket_bytes):
+def _last_bucket_seconds(model, hardware, precision, plan, bucket_bytes):
     """The collective of the last bucket (the first layers' gradients, which backward produces
     last): it starts when backward ends, so nothing hides it. An all-reduce at stages 0 and 1,
     a reduce-scatter at stage 2; stage 3's gathers and reduce-scatters are left hidden."""
     if plan.zero == 3 or plan.shard_group:
         return 0.0
-    N_d, link = plan.N_d, cluster.intra if cluster.within_node(plan.t * plan.N_d) else cluster.inter
+    N_d, link = plan.N_d, hardware.intra if hardware.within_node(plan.t * plan.N_d) else hardware.inter
     numel = min(bucket_bytes / precision.grad_bytes, model.psi / (plan.t * plan.K))
     all_reduce = ring_communication_seconds([_padded(numel, N_d)], N_d, precision.grad_bytes, 0, link.latency,
                                             link.bandwidth)
     return all_reduce / 2 if plan.zero == 2 else all_reduce
 
 
-def _hybrid_micro_batch_seconds(psi, N_d, S, precision, cluster):
+def _hybrid_micro_batch_seconds(psi, N_d, S, precision, hardware):
     """HYBRID_SHARD, one micro-batch: stage 3's three collectives in the node's group of S,
     then the gradient shard all-reduced over the N_d / S groups across nodes."""
     padded = _padded(psi, S)
-    inside = ring_communication_seconds([padded], S, precision.grad_bytes, 3, cluster.intra.latency,
-                                        cluster.intra.bandwidth)
+    inside = ring_communication_seconds([padded], S, precision.grad_bytes, 3, hardware.intra.latency,
+                                        hardware.intra.bandwidth)
     replicas = N_d // S
     across = ring_communication_seconds([_padded(padded // S, replicas)], replicas, precision.grad_bytes, 0,
-                                        cluster.inter.latency, cluster.inter.bandwidth) if replicas > 1 else 0.0
+                                        hardware.inter.latency, hardware.inter.bandwidth) if replicas > 1 else 0.0
     return inside + across
 
 
-def _offload_seconds(model, cluster, precision, plan):
+def _offload_seconds(model, hardware, precision, plan):
     shard = _padded(model.psi / (plan.t * plan.K), plan.N_d) // plan.N_d
     moved = offload_bytes_per_step(shard * plan.N_d, plan.N_d, _offload_element_bytes(precision))
-    return sum(cluster.host.time(nbytes) for nbytes in moved.values()) + shard / cluster.host_update_rate
+    return sum(hardware.host.time(nbytes) for nbytes in moved.values()) + shard / hardware.host_update_rate
 
 
 def _padded(numel, N_d):

@@ -12,7 +12,7 @@ Presets, with what they leave out:
 - ``Model.llama2_70b()``: L = 80, h = 8192, a = 64, s = 4096, V = 32000, Psi = 68,976,648,192
   (LLaMA-2-70B's count). Its grouped-query attention (8 key/value heads) is ignored outside
   Psi: activations and tensor-parallel messages are those of a layers with a full heads;
-- ``Cluster.dgx_a100(nodes)``: nodes of 8 A100 80 GB (80 GiB each), 312e12 FLOP/s in bf16,
+- ``Hardware.dgx_a100(nodes)``: nodes of 8 A100 80 GB (80 GiB each), 312e12 FLOP/s in bf16,
   NVLink inside a node (5 us + bytes / 300 GB/s, per direction) and one 200 Gb/s InfiniBand
   port per GPU between nodes (10 us + bytes / 25 GB/s): the machines of Narayanan et al.
   2021 (Megatron-LM). The latencies are round figures, not measurements; so are the offload
@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 from parlab._checks import real_number, whole_number
 from parlab.runtime import Link
+from parlab.units import GIB
 
-GIB = 2**30
 # Offload (round figures, not measurements): PCIe 4.0 x16 between a GPU and its host, a node's
 # CPUs stepping Adam at about 1e9 parameters/s shared by its 8 GPUs.
 HOST_LINK = Link(latency=10e-6, bandwidth=25e9)
@@ -116,12 +116,13 @@ class Batch:
 
 
 @dataclass(frozen=True)
-class Cluster:
+class Hardware:
     """``nodes`` machines of ``gpus_per_node`` GPUs, each with ``memory`` bytes and a peak of
     ``peak_flops`` FLOP/s; ``intra`` is the link between two GPUs of a node, ``inter`` a
     GPU's link to another node (each GPU has its own port, as in ``parlab.Nodes``). For
     offload: ``host`` is a GPU's link to its host's memory, ``host_update_rate`` the
-    parameters per second the host's optimizer steps for one GPU, ``host_memory`` a node's."""
+    parameters per second the host's optimizer steps for one GPU, ``host_memory`` a node's.
+    The planner's machines: not ``parlab.Cluster``, the processes that run a lecture's ranks."""
 
     gpus_per_node: int
     nodes: int
@@ -129,7 +130,7 @@ class Cluster:
     peak_flops: float
     intra: Link
     inter: Link
-    name: str = "cluster"
+    name: str = "hardware"
     host: Link = HOST_LINK
     host_update_rate: float = HOST_UPDATE_RATE
     host_memory: float = HOST_MEMORY
@@ -146,7 +147,7 @@ class Cluster:
                     "2**41.", above=True)
         for name in ("intra", "inter", "host"):
             if not isinstance(getattr(self, name), Link):
-                raise ValueError(f"Cluster({name}=...) must be a parlab.Link, got {getattr(self, name)!r}: "
+                raise ValueError(f"Hardware({name}=...) must be a parlab.Link, got {getattr(self, name)!r}: "
                                  "e.g. Link(latency=5e-6, bandwidth=300e9).")
 
     @property

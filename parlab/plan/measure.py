@@ -2,9 +2,9 @@
 ``parlab.Cluster`` whose link and devices are emulated, their step time and model-state bytes
 put beside ``plan_time`` and ``plan_memory``.
 
-The emulated cluster (``emulated_cluster(N)``, 4 or 8 ranks): one node of N ranks joined by one ``Link``
+The emulated cluster (``emulated_hardware(N)``, 4 or 8 ranks): one node of N ranks joined by one ``Link``
 (``LINK``: 100 us + bytes / 10 MB/s, every port alike, so a plan's layout on the ranks does not
-change its links), each rank a device of ``CLUSTER_FLOPS`` / N FLOP/s (0.25 GFLOP/s on 4
+change its links), each rank a device of ``HARDWARE_FLOPS`` / N FLOP/s (0.25 GFLOP/s on 4
 ranks, 0.125 on 8: the same 5 s of compute a step on either cluster) whose compute is declared: a
 ``parlab.emulated.ComputeTime`` in front of every transformer layer sleeps 2 (Psi / L) b s / t
 seconds / peak forward and twice that backward (and the forward again when it is recomputed),
@@ -49,19 +49,20 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from parlab._checks import whole_number
-from parlab.ddp import MB, assign_buckets
+from parlab.ddp import assign_buckets
 from parlab.gpt import GPT
 from parlab.memory import FP32_ADAM
 from parlab.mesh_training import DDP_BUCKET_MB
 from parlab.plan.costs import Memory, StepTime, plan_memory, plan_time
-from parlab.plan.inputs import GIB, Batch, Cluster, Model
+from parlab.plan.inputs import Batch, Hardware, Model
 from parlab.plan.planner import Plan, plans
 from parlab.plan.runs import CONFIG, train_plan
 from parlab.runtime import Cluster as Ranks
 from parlab.runtime import Link
+from parlab.units import GIB, MIB
 
 LINK = Link(latency=100e-6, bandwidth=10e6)
-CLUSTER_FLOPS = 1e9  # the whole cluster's declared peak: each of N ranks declares 1 / N of it
+HARDWARE_FLOPS = 1e9  # the whole cluster's declared peak: each of N ranks declares 1 / N of it
 BATCH = Batch(16, b=(2, 4, 8, 16))
 # (N_d, t, K, ZeRO, b, recompute), N = N_d t K ranks: every engine of the table, with and without
 # accumulation and recompute, on one axis and on two (4 ranks), then on three (8 ranks)
@@ -96,11 +97,11 @@ class Measured(NamedTuple):
         return self.state_bytes / self.predicted_memory.states.total
 
 
-def emulated_cluster(ranks=4):
+def emulated_hardware(ranks=4):
     """The planner's view of the emulated cluster (module docstring): 1 node of ``ranks`` ranks."""
     if ranks not in RANKS:
         raise ValueError(f"the emulated clusters have {' or '.join(map(str, RANKS))} ranks, not {ranks!r}: pick one.")
-    return Cluster(ranks, 1, memory=GIB, peak_flops=CLUSTER_FLOPS / ranks, intra=LINK, inter=LINK,
+    return Hardware(ranks, 1, memory=GIB, peak_flops=HARDWARE_FLOPS / ranks, intra=LINK, inter=LINK,
                    name=f"emulated: 1 node x {ranks} ranks")
 
 
@@ -127,20 +128,20 @@ def overlapped(plan):
     return ((0,) if plan.K == 1 else ()) + (2, 3)
 
 
-def predicted_plans(batch=BATCH, cluster=None, layouts=LAYOUTS):
+def predicted_plans(batch=BATCH, hardware=None, layouts=LAYOUTS):
     """The planner's ``Plan`` for each layout (module ``LAYOUTS``: (N_d, t, K, ZeRO, b,
-    recompute)), its estimates as ``predict`` costs the run, on ``cluster`` (default: the
+    recompute)), its estimates as ``predict`` costs the run, on ``hardware`` (default: the
     emulated cluster of the layout's N_d t K ranks)."""
     every = {}
-    for ranks in sorted({cluster.gpus} if cluster else RANKS):
-        on = cluster or emulated_cluster(ranks)
+    for ranks in sorted({hardware.gpus} if hardware else RANKS):
+        on = hardware or emulated_hardware(ranks)
         every.update({(p.N_d, p.t, p.K, p.zero, p.b, p.recompute): (p, on)
                       for p in plans(model(), batch, on, FP32_ADAM, efficiency=1.0, max_bubble=1.0, reserve=0,
                                      offload=(False,), hybrid=False) if not p.rejected})  # what the engines run
     chosen = []
     for layout in layouts:
         if layout not in every:
-            sizes = cluster.gpus if cluster else " or ".join(map(str, RANKS))
+            sizes = hardware.gpus if hardware else " or ".join(map(str, RANKS))
             raise ValueError(f"{layout} is not a plan of {sizes} ranks for B = {batch.B}: give (N_d, t, K, "
                              "ZeRO, b, recompute) with N_d t K = the ranks, b dividing B / N_d and M >= K.")
         plan, on = every[layout]
@@ -148,12 +149,12 @@ def predicted_plans(batch=BATCH, cluster=None, layouts=LAYOUTS):
     return chosen
 
 
-def predict(plan, batch=BATCH, cluster=None):
+def predict(plan, batch=BATCH, hardware=None):
     """(``Memory``, ``StepTime``) of ``plan`` as the run is costed: fp32 Adam (``FP32_ADAM``),
     efficiency 1 (the declared compute is the peak's), 4-byte activations in the messages, the
     overlap of the plan's engine (``overlapped``) and DDP's last bucket (``last_bucket_bytes``)."""
-    gpt, cluster = model(), cluster or emulated_cluster(_ranks_of(plan))
-    seconds = plan_time(gpt, batch, cluster, plan, FP32_ADAM, efficiency=1.0, activation_bytes=4,
+    gpt, hardware = model(), hardware or emulated_hardware(plan.ranks)
+    seconds = plan_time(gpt, batch, hardware, plan, FP32_ADAM, efficiency=1.0, activation_bytes=4,
                         overlapped=overlapped(plan), bucket_bytes=last_bucket_bytes())
     return plan_memory(gpt, plan, FP32_ADAM), seconds
 
@@ -162,36 +163,36 @@ def last_bucket_bytes():
     """Bytes of the last bucket DDP all-reduces in the run (``runs.DDP_BUCKET_MB`` each, filled
     from the last parameter back: the first layer's and the embeddings' gradients)."""
     sizes = [p.numel() * p.element_size() for p in GPT(CONFIG).parameters()]
-    return sum(sizes[i] for i in assign_buckets(sizes, DDP_BUCKET_MB * MB)[-1])
+    return sum(sizes[i] for i in assign_buckets(sizes, DDP_BUCKET_MB * MIB)[-1])
 
 
-def declared_seconds(plan, cluster=None):
+def declared_seconds(plan, hardware=None):
     """(forward, backward): the declared time of one layer for one micro-batch on one rank of
     ``plan`` (module docstring): forward 2 (Psi / L) b s / t FLOPs at the cluster's peak, backward
     twice that, plus with selective recompute the attention scores' two products again,
     4 b s^2 h / t FLOPs (``plan_time``'s term). Full recompute's second forward is the layer's
     own forward run again (``MeshGPT`` checkpoints it with its declared time)."""
     gpt = model()
-    peak = (cluster or emulated_cluster(_ranks_of(plan))).peak_flops
+    peak = (hardware or emulated_hardware(plan.ranks)).peak_flops
     forward = 2 * (gpt.psi / gpt.L) * plan.b * gpt.s / (plan.t * peak)
     again = 4 * plan.b * gpt.s**2 * gpt.h / (plan.t * peak) if plan.recompute == "selective" else 0.0
     return forward, 2 * forward + again
 
 
-def run_plan(plan, batch=BATCH, cluster=None, steps=3, runtime=None):
+def run_plan(plan, batch=BATCH, hardware=None, steps=3, runtime=None):
     """Train the small GPT ``steps`` + 1 steps with ``plan`` on ``runtime`` (a ``parlab.Cluster``
     of the plan's ranks; one is started and closed if None) with the emulated link, and return
     its ``Measured``."""
-    return _run(plan, batch, cluster, steps, runtime, traced=False)[0]
+    return _run(plan, batch, hardware, steps, runtime, traced=False)[0]
 
 
-def trace_plan(plan, batch=BATCH, cluster=None, steps=1, runtime=None):
+def trace_plan(plan, batch=BATCH, hardware=None, steps=1, runtime=None):
     """``run_plan``, traced: (its ``Measured``, the ``parlab.trace.Timeline`` of the call, each
     step a "step" span: ``timeline.window("step")`` is the last)."""
-    return _run(plan, batch, cluster, steps, runtime, traced=True)
+    return _run(plan, batch, hardware, steps, runtime, traced=True)
 
 
-def _run(plan, batch, cluster, steps, runtime, traced):
+def _run(plan, batch, hardware, steps, runtime, traced):
     if not isinstance(plan, Plan):
         raise ValueError(f"plan must be a parlab.plan.Plan, got {type(plan).__name__}: take one of "
                          "parlab.plan.measure.predicted_plans(), or build Plan(N_d, t, K, zero, b, M, recompute).")
@@ -199,15 +200,15 @@ def _run(plan, batch, cluster, steps, runtime, traced):
     reason = runnable(plan)
     if reason:
         raise ValueError(f"cannot run {plan}: {reason}")
-    cluster = cluster or emulated_cluster(_ranks_of(plan))
-    if cluster.gpus != _ranks_of(plan) or (runtime is not None and runtime.world_size != cluster.gpus):
-        raise ValueError(f"{plan} runs on N_d t K = {_ranks_of(plan)} ranks: give a cluster (and runtime) of that "
+    hardware = hardware or emulated_hardware(plan.ranks)
+    if hardware.gpus != plan.ranks or (runtime is not None and runtime.world_size != hardware.gpus):
+        raise ValueError(f"{plan} runs on N_d t K = {plan.ranks} ranks: give hardware (and a runtime) of that "
                          "many, or leave them out.")
-    memory, seconds = predict(plan, batch, cluster)
-    layer_seconds = declared_seconds(plan, cluster)
+    memory, seconds = predict(plan, batch, hardware)
+    layer_seconds = declared_seconds(plan, hardware)
     layout = (plan.N_d, plan.t, plan.K, plan.zero, plan.b, plan.M, plan.recompute, plan.offload)
     timeline = None
-    with _ranks(runtime, cluster) as ranks, ranks.emulate(link=cluster.intra):
+    with _ranks(runtime, hardware) as ranks, ranks.emulate(link=hardware.intra):
         if traced:
             timeline = ranks.trace(train_plan, layout, batch.B, layer_seconds, steps)
             results = timeline.results
@@ -217,35 +218,31 @@ def _run(plan, batch, cluster, steps, runtime, traced):
     return Measured(plan, memory, seconds, max(r["state_bytes"] for r in results), step_seconds), timeline
 
 
-def check_plans(batch=BATCH, cluster=None, steps=3, runtime=None, layouts=LAYOUTS, desc="plans"):
+def check_plans(batch=BATCH, hardware=None, steps=3, runtime=None, layouts=LAYOUTS, desc="plans"):
     """``run_plan`` for the plan of each of ``layouts`` (by default the module's), one after
     another on one cluster of ranks per world size (``runtime`` for the plans of its size),
     with a progress bar; returns their ``Measured`` in the order of ``layouts``."""
     from parlab.runtime.progress import progress_bar
 
-    chosen = predicted_plans(batch, cluster, layouts)
+    chosen = predicted_plans(batch, hardware, layouts)
     measured = [None] * len(chosen)
     with progress_bar(len(chosen), desc, unit="plan") as bar:
-        for size in sorted({_ranks_of(plan) for plan in chosen}):
+        for size in sorted({plan.ranks for plan in chosen}):
             given = runtime if runtime is not None and runtime.world_size == size else None
-            with _ranks(given, cluster or emulated_cluster(size)) as ranks:
+            with _ranks(given, hardware or emulated_hardware(size)) as ranks:
                 for i, plan in enumerate(chosen):
-                    if _ranks_of(plan) == size:
-                        measured[i] = run_plan(plan, batch, cluster, steps, ranks)
+                    if plan.ranks == size:
+                        measured[i] = run_plan(plan, batch, hardware, steps, ranks)
                         bar.update(1)
     return measured
 
 
-def _ranks_of(plan):
-    return plan.N_d * plan.t * plan.K
-
-
 @contextmanager
-def _ranks(runtime, cluster):
+def _ranks(runtime, hardware):
     """``runtime``, or ranks started for the call and closed after it: gloo on CPUs, even
     beside a GPU (the emulated cluster declares its devices)."""
     if runtime is not None:
         yield runtime
         return
-    with Ranks(cluster.gpus, backend="gloo", device="cpu") as ranks:
+    with Ranks(hardware.gpus, backend="gloo", device="cpu") as ranks:
         yield ranks

@@ -26,19 +26,19 @@ communication buffers, e.g. NCCL's and ZeRO's buckets; the caching allocator's
 fragmentation; the logits), so a plan at 79 of 80 GiB would not run.
 
 Host memory: with offload, the host states of a node's GPUs must fit in its
-``cluster.host_memory`` (no reserve there: a rough figure already).
+``hardware.host_memory`` (no reserve there: a rough figure already).
 """
 
 from dataclasses import dataclass
 
 from parlab._checks import real_number
-from parlab.memory import MIXED_ADAM, STAGES, Precision, check_stage
+from parlab.memory import MIXED_ADAM, RECOMPUTE, STAGES, Precision, check_recompute, check_stage
 from parlab.pipeline import bubble_formula
 from parlab.plan.costs import Memory, StepTime, plan_memory, plan_time
-from parlab.plan.inputs import GIB, Batch, Cluster, Model
+from parlab.plan.inputs import Batch, Hardware, Model
+from parlab.units import GIB
 
 RESERVE = 0.1  # the share of a GPU's memory no plan may use (module docstring)
-RECOMPUTE = (None, "selective", "full")  # what a layer keeps for backward (module docstring)
 
 
 @dataclass(frozen=True)
@@ -65,9 +65,12 @@ class Plan:
     shard_group: int | None = None
 
     def __post_init__(self):
-        if self.recompute not in RECOMPUTE:
-            raise ValueError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}: None keeps every "
-                             "activation, \"selective\" recomputes the attention scores, \"full\" the whole layer.")
+        check_recompute(self.recompute)
+
+    @property
+    def ranks(self):
+        """The ranks the plan runs on: N_d t K."""
+        return self.N_d * self.t * self.K
 
     @property
     def rejected(self):
@@ -83,7 +86,7 @@ class Plan:
         return f"{layout}: {estimate}" + (f" (rejected: {' '.join(self.reasons)})" if self.reasons else "")
 
 
-def plans(model, batch, cluster, precision=MIXED_ADAM, efficiency=0.5, sequence_parallel=True, max_bubble=0.5,
+def plans(model, batch, hardware, precision=MIXED_ADAM, efficiency=0.5, sequence_parallel=True, max_bubble=0.5,
           tensor_across_nodes=False, zero_stages=STAGES, reserve=RESERVE, offload=(False, True), hybrid=True,
           recompute=RECOMPUTE):
     """Every plan over N_d x t x K = N, each ZeRO stage of ``zero_stages``, each micro-batch
@@ -97,7 +100,7 @@ def plans(model, batch, cluster, precision=MIXED_ADAM, efficiency=0.5, sequence_
     ``reserve`` (a share of it kept free, module docstring) or its host states in the node's
     host memory, or when its bubble is above ``max_bubble``. ``efficiency``: the share of
     peak FLOP/s that compute reaches."""
-    _check_inputs(model, batch, cluster, efficiency, max_bubble)
+    _check_inputs(model, batch, hardware, efficiency, max_bubble)
     real_number("reserve", reserve, "give the share of GPU memory to keep free, e.g. 0.1 (0 keeps none).")
     if reserve >= 1:
         raise ValueError(f"reserve is a share of the GPU's memory below 1, got {reserve!r}: e.g. 0.1.")
@@ -109,19 +112,19 @@ def plans(model, batch, cluster, precision=MIXED_ADAM, efficiency=0.5, sequence_
     for kind in recompute:
         if kind not in RECOMPUTE:
             raise ValueError(f"recompute lists the kinds to try, each one of {RECOMPUTE}; got {kind!r}.")
-    every = [_assess(model, batch, cluster, precision, efficiency, sequence_parallel, max_bubble, tensor_across_nodes,
+    every = [_assess(model, batch, hardware, precision, efficiency, sequence_parallel, max_bubble, tensor_across_nodes,
                      reserve, N_d, t, K, zero, b, kind, host, S)
-             for N_d, t, K in grids(cluster.gpus) for zero in zero_stages
+             for N_d, t, K in grids(hardware.gpus) for zero in zero_stages
              for b in batch.micro_batch_sizes for kind in recompute
              for host in (offload if zero in (1, 2) else (False,))
-             for S in (None, *_hybrid_groups(cluster, N_d, t, zero, hybrid))]
+             for S in (None, *_hybrid_groups(hardware, N_d, t, zero, hybrid))]
     accepted = sorted((p for p in every if not p.rejected), key=lambda p: (p.time.total, p.memory.total))
     return accepted + [p for p in every if p.rejected]
 
 
-def best_plans(model, batch, cluster, n=3, **options):
+def best_plans(model, batch, hardware, n=3, **options):
     """The ``n`` fastest accepted plans (``plans``' options)."""
-    return [p for p in plans(model, batch, cluster, **options) if not p.rejected][:n]
+    return [p for p in plans(model, batch, hardware, **options) if not p.rejected][:n]
 
 
 def grids(N):
@@ -129,7 +132,7 @@ def grids(N):
     return [(N // (t * K), t, K) for t in _divisors(N) for K in _divisors(N // t)]
 
 
-def _assess(model, batch, cluster, precision, efficiency, sequence_parallel, max_bubble, tensor_across_nodes,
+def _assess(model, batch, hardware, precision, efficiency, sequence_parallel, max_bubble, tensor_across_nodes,
             reserve, N_d, t, K, zero, b, recompute, offload, shard_group):
     """The ``Plan`` with its estimates and the sentences that reject it."""
     built = [reason for failed, reason in (
@@ -145,28 +148,28 @@ def _assess(model, batch, cluster, precision, efficiency, sequence_parallel, max
         return Plan(N_d, t, K, zero, b, M, recompute, reasons=tuple(built), offload=offload, shard_group=shard_group)
     layout = Plan(N_d, t, K, zero, b, M, recompute, offload=offload, shard_group=shard_group)
     memory = plan_memory(model, layout, precision, sequence_parallel)
-    time = plan_time(model, batch, cluster, layout, precision, efficiency, sequence_parallel)
+    time = plan_time(model, batch, hardware, layout, precision, efficiency, sequence_parallel)
     reasons = []
-    if not tensor_across_nodes and not cluster.within_node(t):
+    if not tensor_across_nodes and not hardware.within_node(t):
         reasons.append(f"t = {t} spans nodes: its all-reduces would cross the inter-node link "
-                       f"(nodes of {cluster.gpus_per_node} GPUs).")
-    usable = cluster.memory * (1 - reserve)
+                       f"(nodes of {hardware.gpus_per_node} GPUs).")
+    usable = hardware.memory * (1 - reserve)
     if memory.total > usable:
-        kept = f" ({reserve:.0%} of {cluster.memory / GIB:.1f} GiB kept free)" if reserve else ""
+        kept = f" ({reserve:.0%} of {hardware.memory / GIB:.1f} GiB kept free)" if reserve else ""
         reasons.append(f"does not fit: needs {memory.total / GIB:.1f} GiB of {usable / GIB:.1f} GiB{kept}.")
-    if memory.host is not None and memory.host.total * cluster.gpus_per_node > cluster.host_memory:
-        reasons.append(f"the host states do not fit: {cluster.gpus_per_node} GPUs x "
-                       f"{memory.host.total / GIB:.1f} GiB on a node of {cluster.host_memory / GIB:.0f} GiB.")
+    if memory.host is not None and memory.host.total * hardware.gpus_per_node > hardware.host_memory:
+        reasons.append(f"the host states do not fit: {hardware.gpus_per_node} GPUs x "
+                       f"{memory.host.total / GIB:.1f} GiB on a node of {hardware.host_memory / GIB:.0f} GiB.")
     if bubble_formula(K, M) > max_bubble:
         reasons.append(f"bubble {bubble_formula(K, M):.0%} above {max_bubble:.0%}: raise M (a smaller b) or lower K.")
     return Plan(N_d, t, K, zero, b, M, recompute, memory, time, tuple(reasons), offload, shard_group)
 
 
-def _hybrid_groups(cluster, N_d, t, zero, hybrid):
+def _hybrid_groups(hardware, N_d, t, zero, hybrid):
     """HYBRID_SHARD's S for this data axis: the data ranks of one node (t consecutive ranks per
     replica, so gpus_per_node / t of them), where stage 3's data group spans nodes and S > 1."""
-    S = cluster.gpus_per_node // t if cluster.within_node(t) else 1
-    spans_nodes = not cluster.within_node(t * N_d)
+    S = hardware.gpus_per_node // t if hardware.within_node(t) else 1
+    spans_nodes = not hardware.within_node(t * N_d)
     return (S,) if hybrid and zero == 3 and spans_nodes and S > 1 and N_d % S == 0 else ()
 
 
@@ -174,8 +177,8 @@ def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _check_inputs(model, batch, cluster, efficiency, max_bubble):
-    for name, value, kind in (("model", model, Model), ("batch", batch, Batch), ("cluster", cluster, Cluster)):
+def _check_inputs(model, batch, hardware, efficiency, max_bubble):
+    for name, value, kind in (("model", model, Model), ("batch", batch, Batch), ("hardware", hardware, Hardware)):
         if not isinstance(value, kind):
             raise ValueError(f"{name} must be a parlab.plan.{kind.__name__}, got {type(value).__name__}: "
                              f"build one, e.g. parlab.plan.{kind.__name__}(...) or one of its presets.")

@@ -6,7 +6,8 @@ micro-batches and recompute) on the same batches as every other rank.
 ``train_plan(layout, B, layer_seconds, steps)`` is the function ``run_plan`` ships to the ranks;
 ``layer_seconds = 0`` and no emulated link train in real time (the equivalence runs of the tests
 and of ``parlab doctor --gpu``), on each rank's device (``runtime.device()``: a GPU where the
-cluster places ranks on GPUs). ``one_process`` is the reference they are compared with.
+cluster places ranks on GPUs). ``parlab.gpt.train_in_one_process`` is the reference they are
+compared with.
 """
 
 import time
@@ -14,13 +15,11 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from parlab import runtime, trace
 from parlab.emulated import ComputeTime
-from parlab.gpt import GPT, CharDataset, GPTConfig
+from parlab.gpt import GPT, GPTConfig, batches
 from parlab.mesh_training import MeshGPT
-from parlab.numerics import backward_in_shards
 from parlab.runtime.mesh import Mesh
 
 CONFIG = GPTConfig(L=4)
@@ -44,7 +43,6 @@ def train_plan(layout, B, layer_seconds, steps):
     device = runtime.device()
     torch.manual_seed(0)
     gpt = GPT(CONFIG).to(device)
-    data, generator = CharDataset(), torch.Generator().manual_seed(0)
     on_gpu = device.type == "cuda"
     if on_gpu:
         torch.cuda.reset_peak_memory_stats(device)
@@ -53,8 +51,8 @@ def train_plan(layout, B, layer_seconds, steps):
                           offload=bool(offload and offload[0]), lr=LR)
         declared = [m for m in trainer.model.modules() if isinstance(m, ComputeTime)]
         times, losses = [], []
-        for i in range(steps + 1):
-            tokens, targets = (part.to(device) for part in data.batch(B, CONFIG.s, generator))
+        for i, batch in enumerate(batches(B, CONFIG.s, steps + 1)):
+            tokens, targets = (part.to(device) for part in batch)
             dist.barrier()
             start = time.perf_counter()
             with _undeclared(declared) if i == 0 else nullcontext(), trace.span("step"):  # warm-up: no waiting
@@ -70,26 +68,6 @@ def train_plan(layout, B, layer_seconds, steps):
             "numel": trainer.numel, "kept_whole": trainer.kept_whole}
 
 
-def one_process(B, steps, shards=1, order=None, device="cpu"):
-    """The reference of ``train_plan``: the full batch's mean loss (float32) before each of the
-    ``steps`` + 1 Adam steps of the small GPT in one process on ``device``. With ``shards``,
-    the gradient is computed as that many ranks do, summed in ``order`` (``parlab.numerics``'
-    yardstick runs)."""
-    torch.manual_seed(0)
-    gpt = GPT(CONFIG).to(device)
-    optimizer = torch.optim.Adam(gpt.parameters(), lr=LR)
-    data, generator = CharDataset(), torch.Generator().manual_seed(0)
-    losses = []
-    for _ in range(steps + 1):
-        tokens, targets = (part.to(device) for part in data.batch(B, CONFIG.s, generator))
-        with torch.no_grad():
-            losses.append(_loss(gpt(tokens), targets))
-        parts = list(zip(tokens.tensor_split(shards), targets.tensor_split(shards)))
-        backward_in_shards(lambda x, y: _loss(gpt(x), y), gpt.parameters(), parts, order)
-        optimizer.step()
-    return torch.stack(losses).cpu()
-
-
 @contextmanager
 def _undeclared(declared):
     """The ``ComputeTime`` layers of ``declared`` take no time inside the block."""
@@ -102,6 +80,3 @@ def _undeclared(declared):
         for m, (forward_s, backward_s) in zip(declared, kept):
             m.forward_s, m.backward_s = forward_s, backward_s
 
-
-def _loss(logits, targets):
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -1,13 +1,13 @@
 """The planner's answer as a table: plain rows (a list of dicts, one per plan) and the same rows
 as text, so a notebook, a test or a terminal reads them without pandas.
 
-    rows = plan_table(plans(model, batch, cluster), n=5)
+    rows = plan_table(plans(model, batch, hardware), n=5)
     print(format_table(rows))
     plan_label(plan)           # "8x1x1 Z1 rc": a plan in a few characters (rc: full recompute)
 """
 
 from parlab._checks import whole_number
-from parlab.plan.inputs import GIB
+from parlab.units import GIB
 
 COLUMNS = ("N_d", "t", "K", "ZeRO", "S", "b", "M", "recompute", "offload", "GiB", "step (s)", "compute", "tensor",
            "pipeline", "bubble", "data", "host", "verdict")

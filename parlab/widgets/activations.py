@@ -10,10 +10,10 @@ formula ``korthikanti_bytes``; both in 16-bit values and 1-byte masks unless tol
 """
 
 from parlab.tensor_parallel.activations import korthikanti_bytes, layer_saved_bytes, recompute_kind
+from parlab.units import MIB
 from parlab.widgets._common import FIT, Feedback, import_ipywidgets, in_range, png, show_static, toggle_buttons
 
 FIGSIZE = (9, 3.6)
-MIB = 2**20
 
 
 def plot_activation_memory(s, b, h, a, t=1, sequence_parallel=False, recompute=False, value_bytes=2, mask_bytes=1,

@@ -10,8 +10,8 @@ the plan the DDP wrapper uses, and each bucket's ring all-reduce over N_d ranks.
 """
 
 from parlab._checks import real_number
-from parlab.ddp import MB
 from parlab.ddp import bucket_overlap
+from parlab.units import MIB
 from parlab.widgets._common import Feedback, import_ipywidgets, log_slider, png, show_static
 
 # A cluster network, as in lecture 01: alpha = 10 µs per message, 1/beta = 25 GB/s, 8 ranks.
@@ -127,4 +127,4 @@ def _buckets(count, bold=False):
 
 
 def _size(nbytes):
-    return f"{nbytes / MB:.3g} MiB" if nbytes >= MB / 10 else f"{nbytes / 1024:.3g} KiB"
+    return f"{nbytes / MIB:.3g} MiB" if nbytes >= MIB / 10 else f"{nbytes / 1024:.3g} KiB"

@@ -2,31 +2,32 @@
 memory per GPU against step time and as a table; and plans run on emulated ranks beside their
 prediction.
 
-    plot_plans(every, cluster, n)        the n fastest accepted plans, the GPU's memory as a line
+    plot_plans(every, hardware, n)       the n fastest accepted plans, the GPU's memory as a line
     plan_widget(model, nodes, ...)       model, batch, nodes, GPU memory and link speeds as controls,
                                          and "run this plan" for the small GPT on emulated ranks
     plot_predicted_vs_measured(rows)     measured against predicted step time, a band of +-15%
     format_measured(rows)                the same rows as text, model-state bytes too
 
 The numbers are ``parlab.plan``'s; this module only draws them. The cluster is built from the
-controls with ``Cluster.dgx_a100``'s peak FLOP/s and latencies; memory and bandwidths move.
+controls with ``Hardware.dgx_a100``'s peak FLOP/s and latencies; memory and bandwidths move.
 """
 
 import html
 
-from parlab.plan import GIB, Batch, Cluster, Model, format_table, measure, plan_label, plan_table, plans
+from parlab.plan import Batch, Hardware, Model, format_table, measure, plan_label, plan_table, plans
 from parlab.runtime import Link
+from parlab.units import GIB
 from parlab.widgets._common import FIT, Feedback, button, import_ipywidgets, in_range, log_slider, png, show_static
 
 MODELS = {"small GPT": Model.small_gpt, "7B": Model.llama2_7b, "70B": Model.llama2_70b}
 NODES = (1, 2, 4, 8, 16, 32, 64)
 FIGSIZE = (7, 4)
-A100 = Cluster.dgx_a100()
+A100 = Hardware.dgx_a100()
 RUNS = "small GPT"  # the model "run this plan" runs (lecture 07's GPT, measure.CONFIG's size)
 TOLERANCE = 0.15  # the planner's acceptance criterion: a measured step within 15% of the prediction
 
 
-def plot_plans(every, cluster, n=10, ax=None):
+def plot_plans(every, hardware, n=10, ax=None):
     """The ``n`` fastest accepted plans of ``every`` (``parlab.plan.plans``' list) as points:
     step time (s) across, memory per GPU up, each labelled N_d x t x K, its ZeRO stage and its
     shard group, recompute and offload where it has them, the fastest as a star; a line at the
@@ -38,13 +39,13 @@ def plot_plans(every, cluster, n=10, ax=None):
 
     ax = ax or plt.figure(figsize=FIGSIZE).subplots()
     accepted = [p for p in every if not p.rejected][:n]
-    small = bool(accepted) and max(p.memory.total for p in accepted) < cluster.memory / 20
+    small = bool(accepted) and max(p.memory.total for p in accepted) < hardware.memory / 20
     unit, scale = ("MiB", 2**20) if small else ("GiB", GIB)
-    limit = f"GPU memory, {cluster.memory / GIB:g} GiB"
+    limit = f"GPU memory, {hardware.memory / GIB:g} GiB"
     if small:
         ax.plot([], [], color="grey", linestyle="--", label=f"{limit}: far above these plans")
     else:
-        ax.axhline(cluster.memory / GIB, color="grey", linestyle="--", label=limit)
+        ax.axhline(hardware.memory / GIB, color="grey", linestyle="--", label=limit)
     for rank, plan in enumerate(accepted):
         point = (plan.time.total, plan.memory.total / scale)
         ax.plot(*point, "*" if rank == 0 else "o", color="C1" if rank == 0 else "C0", markersize=14 if rank == 0 else 6,
@@ -56,16 +57,16 @@ def plot_plans(every, cluster, n=10, ax=None):
                 transform=ax.transAxes, ha="center", va="center", fontsize=9)
     ax.margins(x=0.12)  # room for the labels of the slowest points
     ax.set(xlabel="step time (s)", ylabel=f"memory per GPU ({unit})", ylim=(0, None),
-           title=f"{len(accepted)} fastest plans on {cluster.name}\n(N_d x t x K, ZeRO stage; S=: HYBRID_SHARD, "
+           title=f"{len(accepted)} fastest plans on {hardware.name}\n(N_d x t x K, ZeRO stage; S=: HYBRID_SHARD, "
                  "rc: full recompute, sel: selective, off: offload)")
     ax.legend(loc="lower right", fontsize=8)
     return ax
 
 
-def cluster_of(gpus_per_node, nodes, memory_gib, intra_gbs, inter_gbs):
-    """A ``Cluster`` of A100-like GPUs (``Cluster.dgx_a100``'s peak and latencies) with these
+def hardware_of(gpus_per_node, nodes, memory_gib, intra_gbs, inter_gbs):
+    """A ``Hardware`` of A100-like GPUs (``Hardware.dgx_a100``'s peak and latencies) with these
     sizes, memory (GiB) and bandwidths (GB/s)."""
-    return Cluster(gpus_per_node, nodes, memory_gib * GIB, A100.peak_flops,
+    return Hardware(gpus_per_node, nodes, memory_gib * GIB, A100.peak_flops,
                    intra=Link(A100.intra.latency, intra_gbs * 1e9), inter=Link(A100.inter.latency, inter_gbs * 1e9),
                    name=f"{nodes} x {gpus_per_node} GPUs of {memory_gib:g} GiB")
 
@@ -86,7 +87,7 @@ def plan_widget(model="70B", B=1536, nodes=64, memory_gib=80, n=8):
         raise ValueError(f"nodes must be one of {NODES}, got {nodes!r}: pick one of them.")
     in_range("memory_gib", memory_gib, 1, 1024, "give each GPU's memory from 1 to 1024 GiB.")
     widgets = import_ipywidgets()
-    first = cluster_of(8, nodes, memory_gib, A100.intra.bandwidth / 1e9, A100.inter.bandwidth / 1e9)
+    first = hardware_of(8, nodes, memory_gib, A100.intra.bandwidth / 1e9, A100.inter.bandwidth / 1e9)
     if widgets is None:
         return plot_plans(plans(MODELS[model](), Batch(B), first), first, n).figure
 
@@ -105,12 +106,12 @@ def plan_widget(model="70B", B=1536, nodes=64, memory_gib=80, n=8):
     measured = widgets.HTML()
 
     def redraw(_=None):
-        cluster = cluster_of(per_node.value, machines.value, memory.value, intra.value, inter.value)
-        every = plans(MODELS[chosen.value](), Batch(batch.value), cluster)
-        image.value = png(lambda ax: plot_plans(every, cluster, n, ax), FIGSIZE)
+        hardware = hardware_of(per_node.value, machines.value, memory.value, intra.value, inter.value)
+        every = plans(MODELS[chosen.value](), Batch(batch.value), hardware)
+        image.value = png(lambda ax: plot_plans(every, hardware, n, ax), FIGSIZE)
         table.value = f"<pre>{format_table(plan_table(every, n, rejected=3 if every[0].rejected else 0))}</pre>"
         # The cluster in words: a control that changes no plan (the network of one node) still shows it moved.
-        feedback.say(f"{sum(not p.rejected for p in every)} of {len(every)} plans accepted on {cluster.name}, "
+        feedback.say(f"{sum(not p.rejected for p in every)} of {len(every)} plans accepted on {hardware.name}, "
                      f"{intra.value:.3g} GB/s inside a node, {inter.value:.3g} GB/s between nodes.")
 
     def offer(_=None):
@@ -121,13 +122,13 @@ def plan_widget(model="70B", B=1536, nodes=64, memory_gib=80, n=8):
             return
         plan = runnable[to_run.value]
         measured.value = html.escape(f"{plan_label(plan, long=True)}: the planner predicts {plan.time.total:.3g} s per "
-                                     f"step; \"run this plan\" starts {_ranks(plan)} ranks and measures it.")
+                                     f"step; \"run this plan\" starts {plan.ranks} ranks and measures it.")
 
     def run_selected(_=None):
         if chosen.value != RUNS:
             raise ValueError(f"only the {RUNS} runs on this machine, not the {chosen.value}: pick the {RUNS}.")
         plan = runnable[to_run.value]
-        feedback.say(f"running {plan_label(plan, long=True)} on {_ranks(plan)} emulated ranks...")
+        feedback.say(f"running {plan_label(plan, long=True)} on {plan.ranks} emulated ranks...")
         result = measure.run_plan(plan, steps=1)  # one warm-up step and one measured: the emulated time barely varies
         measured.value = f"<pre>{html.escape(format_measured([result]))}</pre>"
         feedback.say(f"ran {plan_label(plan, long=True)}: its step took {result.time_ratio:.2f} x the prediction.")
@@ -180,7 +181,3 @@ def format_measured(rows):
                      f"{r.time_ratio:5.2f}  {r.predicted_memory.states.total:16,.0f} {r.state_bytes:15,} "
                      f"{r.state_ratio:5.2f}")
     return "\n".join(lines)
-
-
-def _ranks(plan):
-    return plan.N_d * plan.t * plan.K

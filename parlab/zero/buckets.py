@@ -47,7 +47,8 @@ import torch
 import torch.distributed as dist
 
 from parlab import background, collectives, trace
-from parlab.ddp import MB, assign_buckets
+from parlab.ddp import assign_buckets
+from parlab.units import MIB
 from parlab.zero.formulas import stage2_peak_gradient_bytes
 
 
@@ -65,7 +66,7 @@ class GradientBuckets:
         self.gradient = None
         self.group, self.rank = group, dist.get_rank(group)  # reduce-scattered over ``group``
         sizes = [p.numel() * p.element_size() for p in parameters]
-        groups = assign_buckets(sizes, bucket_cap_mb * MB)
+        groups = assign_buckets(sizes, bucket_cap_mb * MIB)
         self.buckets = [self._bucket(b, sorted(indices)) for b, indices in enumerate(groups)]
         self.launched = 0  # buckets launched so far in this round, always a prefix of self.buckets
         self.in_flight = []  # ([buffer, gradient], handle) of the buckets launched, not yet waited for, in order
@@ -214,7 +215,7 @@ class AllReduceBuckets:
     def __init__(self, parameters, layout, flat_grad, bucket_cap_mb, group=None):
         self.flat_grad, self.group = flat_grad, group
         sizes = [p.numel() * p.element_size() for p in parameters]
-        groups = [sorted(indices) for indices in assign_buckets(sizes, bucket_cap_mb * MB)]
+        groups = [sorted(indices) for indices in assign_buckets(sizes, bucket_cap_mb * MIB)]
         N, end = layout.world_size, layout.padded_numel
         self.ranges, self.sizes = [], [len(indices) for indices in groups]
         for b, indices in enumerate(groups):

@@ -21,11 +21,11 @@ from torch import nn
 
 from parlab import trace
 from parlab.numerics import backward_in_shards, max_abs_difference, ring_orders, rounding_band
+from parlab.units import MIB
 
 RUN_TIMEOUT_S = 10
 WORLD_SIZES = [2, 4]
 IN, HIDDEN, OUT, BATCH, STEPS, LR = 6, 8, 3, 24, 3, 0.2
-MB = 1024 * 1024
 # Trainable gradients in registration order (bytes): first.weight 192, first.bias 32,
 # middle.weight 256, middle.bias 32, last.weight 96, last.bias 12; frozen.* has none.
 # In reverse with a cap of 160 bytes: [12 + 96 + 32], [256], [32], [192].
@@ -200,7 +200,7 @@ def train_on_rank(BucketedDDP):
     finish_gradient_synchronization."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build_model(seed=rank)
-    ddp = BucketedDDP(model, bucket_cap_mb=CAP_BYTES / MB)
+    ddp = BucketedDDP(model, bucket_cap_mb=CAP_BYTES / MIB)
     inputs, targets = shard(rank, world_size)
     steps = []
     for _ in range(STEPS):
@@ -217,7 +217,7 @@ def train_on_rank(BucketedDDP):
 def traced_steps_on_rank(BucketedDDP, steps):
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build_model(seed=rank)
-    ddp = BucketedDDP(model, bucket_cap_mb=CAP_BYTES / MB)
+    ddp = BucketedDDP(model, bucket_cap_mb=CAP_BYTES / MIB)
     inputs, targets = shard(rank, world_size)
     for _ in range(steps):
         model.zero_grad()
