@@ -53,7 +53,7 @@ from parlab.runtime.mesh import AXES, Mesh, axis_groups
 from parlab.tensor_parallel.layers import parallel_cross_entropy
 from parlab.tensor_parallel.model import ParallelBlock, ParallelGPT
 from parlab.zero import FSDP, ZeroDP
-from parlab.zero.fsdp import REPLICATED_NAME
+from parlab.zero.units import REPLICATED_NAME
 
 __all__ = ["MeshGPT", "by_axis", "bytes_by_axis"]
 

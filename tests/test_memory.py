@@ -7,7 +7,6 @@ import torch
 from parlab.memory import (
     FP32_ADAM,
     FP32_SGD_MOMENTUM,
-    GB,
     MIXED_ADAM,
     PRECISIONS,
     STAGES,
@@ -24,6 +23,7 @@ from parlab.memory import (
     storage_bytes,
     transformer_activation_bytes,
 )
+from parlab.units import GB
 
 # --- measured bytes ---------------------------------------------------------------------------
 

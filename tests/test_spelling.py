@@ -1,12 +1,18 @@
-"""One spelling per concept in the engines' signatures: an optimizer class is ``optimizer_class``
-and its options ``**optimizer_kwargs`` everywhere (torch's ZeroRedundancyOptimizer spells the
-class so), and FSDP's units speak torch FSDP2's words, ``unshard`` and ``reshard``."""
+"""One spelling per concept (notebooks/GLOSSARY.md, "Words in code"): an optimizer class is
+``optimizer_class`` and its options ``**optimizer_kwargs`` everywhere (torch's
+ZeroRedundancyOptimizer spells the class so), FSDP's units speak torch FSDP2's words,
+``unshard`` and ``reshard``, every name says ``all_reduce``, and sizes come from ``parlab.units``."""
 
+import ast
 import inspect
+import pathlib
+import re
 
 import pytest
 import torch
 
+import parlab
+from parlab import units
 from parlab.ddp import DDP
 from parlab.mesh_training import MeshGPT
 from parlab.pipeline.grid import PipelineDataParallel
@@ -49,3 +55,41 @@ def test_fsdp_units_unshard_and_reshard_as_torch_fsdp2():
     assert callable(FlatUnit.unshard) and callable(FlatUnit.reshard)
     assert not any(hasattr(FlatUnit, old) for old in ("gather", "free"))
     assert not any(hasattr(FSDP, old) for old in ("gather", "free", "_gather", "_gathered"))
+
+
+PACKAGE = pathlib.Path(parlab.__file__).parent
+SOURCES = sorted(PACKAGE.rglob("*.py")) + sorted((PACKAGE.parent / "solutions").glob("*.py"))
+
+
+def identifiers(path):
+    """Every name a file defines or uses: functions, classes, arguments, variables, attributes."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.name, node.lineno
+        elif isinstance(node, ast.arg):
+            yield node.arg, node.lineno
+        elif isinstance(node, ast.Name):
+            yield node.id, node.lineno
+        elif isinstance(node, ast.Attribute):
+            yield node.attr, node.lineno
+        elif isinstance(node, ast.keyword) and node.arg:
+            yield node.arg, node.lineno
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda path: str(path.relative_to(PACKAGE.parent)))
+def test_all_reduce_and_the_optimizer_are_spelled_one_way_in_every_name(path):
+    old = {"optimizer_cls", "opt_kwargs", "zero_optimizer"}
+    found = [(name, line) for name, line in identifiers(path)
+             if "allreduce" in name or "ALLREDUCE" in name or name in old]
+    assert not found, f"{path.name}: {found}: write all_reduce, optimizer_class, optimizer_kwargs"
+
+
+def test_sizes_are_named_in_parlab_units_only():
+    # MIB is 2**20 and GB 1e9 in one place, so "MB" never means 2**20 in one module and 1e6 in another.
+    unit = re.compile(r"^[KMG]I?B$")
+    defined = [(path.name, target.id) for path in SOURCES if path.name != "units.py"
+               for node in ast.parse(path.read_text()).body if isinstance(node, ast.Assign)
+               for target in node.targets if isinstance(target, ast.Name) and unit.match(target.id)]
+    assert defined == [], f"import these from parlab.units: {defined}"
+    assert (units.KIB, units.MIB, units.GIB) == (2**10, 2**20, 2**30)
+    assert (units.KB, units.MB, units.GB) == (1e3, 1e6, 1e9)

@@ -8,7 +8,8 @@ import sys
 import matplotlib
 import pytest
 
-from parlab.memory import FP32_ADAM, GB, STAGES, ModelState, model_state_bytes
+from parlab.memory import FP32_ADAM, STAGES, ModelState, model_state_bytes
+from parlab.units import GB
 from parlab.widgets.memory import (
     PSI_PRESETS,
     measure_stages,

@@ -61,13 +61,13 @@ from parlab.bench.zero_link import (
     time_stages,
 )
 from parlab.memory import FP32_ADAM, model_state_bytes
+from parlab.units import MIB
 
 __all__ = ["ENGINES", "REFERENCE", "STAGE_RATIO", "TARGET_RATIO", "TARGET_TOLERANCE", "add_arguments", "add_ratios",
            "bench_zero", "bench_zero_link", "format_link_report", "format_report", "measure_engines", "overlap_model",
            "run", "stage_model", "time_overlap", "time_stages"]
 
 WARMUP_STEPS = 2  # the first step allocates the optimizer state
-MIB = 2**20
 REFERENCE = "torch's engine of the same stage"
 BYTES_RATIO = f"bytes ratio = bytes of parlab / bytes of {REFERENCE} (below 1: parlab holds less)"
 ENGINES = [  # (implementation, stage, name), by stage

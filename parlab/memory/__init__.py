@@ -35,7 +35,6 @@ from parlab.memory.measure import measure_model_state, storage_bytes
 from parlab.memory.model_states import (
     FP32_ADAM,
     FP32_SGD_MOMENTUM,
-    GB,
     MIXED_ADAM,
     PRECISIONS,
     STAGES,
@@ -49,7 +48,7 @@ from parlab.memory.model_states import (
     ring_traffic_bytes,
 )
 
-__all__ = ["FP32_ADAM", "FP32_SGD_MOMENTUM", "GB", "MIXED_ADAM", "PRECISIONS", "RECOMPUTE", "STAGES", "Estimate",
+__all__ = ["FP32_ADAM", "FP32_SGD_MOMENTUM", "MIXED_ADAM", "PRECISIONS", "RECOMPUTE", "STAGES", "Estimate",
            "ModelState", "Precision", "check_recompute", "check_stage", "communication_volume",
            "deepspeed_zero2_estimate", "deepspeed_zero3_estimate", "fits", "measure_model_state", "model_state_bytes",
            "ring_communication_seconds", "ring_traffic_bytes", "storage_bytes", "transformer_activation_bytes"]

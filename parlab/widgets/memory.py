@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from parlab import zero
 from parlab._checks import real_number
-from parlab.memory import FP32_ADAM, GB, MIXED_ADAM, STAGES, fits, model_state_bytes
+from parlab.memory import FP32_ADAM, MIXED_ADAM, STAGES, fits, model_state_bytes
+from parlab.units import GB
 from parlab.widgets._common import (
     FIT,
     Feedback,
