@@ -1,7 +1,7 @@
 """The ZeRO engines hide their communication behind compute, read from the trace of a step under
 an emulated link, with layers of declared compute time (so the picture is the same on any
 machine): ZeroDP's stage 0 all-reduces and stage 2 reduce-scatters a bucket while backward
-computes the next layers' gradients, on the communication thread; FSDP gathers the next unit
+computes the next layers' gradients, on the communication thread; FSDP unshards the next unit
 while the current one computes, in forward and in backward, and reduce-scatters a unit's
 gradient while the next unit's backward computes. Without the overlap (FSDP's prefetch=False)
 the collectives run between the declared computes, never during one. And the collectives of

@@ -35,7 +35,7 @@ from parlab import _checks, background, p2p, runtime, trace
 from parlab.memory import measure_model_state
 from parlab.zero.flat_unit import FlatUnit
 from parlab.zero.strategies import _process_groups, _shard_group_size
-from parlab.zero.units import REPLICATED_NAME, materialize_unit, plan_units, split_replicated  # noqa: F401 - REPLICATED_NAME: imported from here by parlab.mesh_training
+from parlab.zero.units import materialize_unit, plan_units, split_replicated
 
 __all__ = ["FSDP"]
 
