@@ -102,7 +102,7 @@ def emulated_hardware(ranks=4):
     if ranks not in RANKS:
         raise ValueError(f"the emulated clusters have {' or '.join(map(str, RANKS))} ranks, not {ranks!r}: pick one.")
     return Hardware(ranks, 1, memory=GIB, peak_flops=HARDWARE_FLOPS / ranks, intra=LINK, inter=LINK,
-                   name=f"emulated: 1 node x {ranks} ranks")
+                    name=f"emulated: 1 node x {ranks} ranks")
 
 
 def model():

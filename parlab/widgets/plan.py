@@ -67,8 +67,8 @@ def hardware_of(gpus_per_node, nodes, memory_gib, intra_gbs, inter_gbs):
     """A ``Hardware`` of A100-like GPUs (``Hardware.dgx_a100``'s peak and latencies) with these
     sizes, memory (GiB) and bandwidths (GB/s)."""
     return Hardware(gpus_per_node, nodes, memory_gib * GIB, A100.peak_flops,
-                   intra=Link(A100.intra.latency, intra_gbs * 1e9), inter=Link(A100.inter.latency, inter_gbs * 1e9),
-                   name=f"{nodes} x {gpus_per_node} GPUs of {memory_gib:g} GiB")
+                    intra=Link(A100.intra.latency, intra_gbs * 1e9), inter=Link(A100.inter.latency, inter_gbs * 1e9),
+                    name=f"{nodes} x {gpus_per_node} GPUs of {memory_gib:g} GiB")
 
 
 def plan_widget(model="70B", B=1536, nodes=64, memory_gib=80, n=8):
