@@ -77,6 +77,9 @@ class MeshGPT:
         if not isinstance(mesh, Mesh):
             raise ValueError(f"mesh must be a parlab.Mesh, got {type(mesh).__name__}: build one on every rank, e.g. "
                              "parlab.Mesh(dp=2, pp=2, tp=2).")
+        if mesh.size("cp") > 1 or mesh.size("ep") > 1:
+            raise ValueError(f"MeshGPT trains on the dp, tp and pp axes; this mesh has cp = {mesh.size('cp')} and "
+                             f"ep = {mesh.size('ep')}: build it with cp=1 and ep=1.")
         if zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be a ZeRO stage 0, 1, 2 or 3, got {zero!r}.")
         if offload and zero not in (1, 2):
@@ -209,32 +212,33 @@ class MeshGPT:
 
 
 
-def by_axis(timeline, dp=1, pp=1, tp=1):
+def by_axis(timeline, dp=1, pp=1, tp=1, cp=1, ep=1):
     """A copy of ``timeline`` (a ``parlab.trace.Timeline`` of a run on a mesh of these sizes)
-    whose messages are named by the axis they travel along, "tp", "dp" or "pp" (the mesh's
+    whose messages are named by the axis they travel along, "tp", "cp", "ep", "dp" or "pp" (the mesh's
     group holding both the rank and its peer), so that a chart draws each axis in one colour;
     compute spans are left as they are, and so is a message with no peer (DDP's
     "all_reduce" record)."""
-    place = _places(dp, pp, tp)
+    place = _places(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep)
     copy = trace.Timeline([], timeline.world_size, timeline.results, regime=timeline.regime)
     copy.events = [dataclasses.replace(ev, name=_axis_of(ev, place)) if ev.kind == trace.COMM and ev.peer is not None
                    else ev for ev in timeline.events]
     return copy
 
 
-def bytes_by_axis(timeline, dp=1, pp=1, tp=1):
+def bytes_by_axis(timeline, dp=1, pp=1, tp=1, cp=1, ep=1):
     """{axis: [bytes each rank sent along it]} of a run on a mesh of these sizes."""
-    place, sent = _places(dp, pp, tp), {axis: [0] * timeline.world_size for axis in AXES}
+    place = _places(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep)
+    sent = {axis: [0] * timeline.world_size for axis in AXES}
     for ev in timeline.events:
         if ev.kind == trace.COMM and ev.name in ("send", "isend") and ev.peer is not None:
             sent[_axis_of(ev, place)][ev.rank] += ev.nbytes
     return sent
 
 
-def _places(dp, pp, tp):
+def _places(**sizes):
     """{axis: {rank: the index of its group along the axis}}."""
-    return {axis: {rank: index for index, group in enumerate(axis_groups(axis, dp=dp, pp=pp, tp=tp))
-                   for rank in group} for axis in AXES}
+    return {axis: {rank: index for index, group in enumerate(axis_groups(axis, **sizes)) for rank in group}
+            for axis in AXES}
 
 
 def _axis_of(ev, place):

@@ -166,7 +166,7 @@ def learner_mistakes():
 @pytest.mark.timeout(120)
 def test_a_world_that_is_not_n_d_times_k_and_a_batch_that_does_not_split_raise(cluster4):
     for world_error, batch_error in cluster4.run(learner_mistakes, timeout=60):
-        assert "a mesh of pp = 2 x dp = 3 x tp = 1 needs 6 ranks, but 4 are running" in world_error
+        assert "a mesh of pp = 2 x dp = 3 needs 6 ranks, but 4 are running" in world_error
         assert "choose sizes whose product is 4" in world_error
         assert "a batch of 20 samples does not split into N_d = 2 shards" in batch_error
         assert "multiple of N_d x M = 8" in batch_error
