@@ -20,7 +20,9 @@ import parlab.widgets
 from parlab.runtime import RankError
 from parlab.widgets._common import BUTTON_PADDING_PX, PX_PER_CHAR, Feedback
 from parlab.widgets.collectives import alpha_beta_widget, ring_widget
+from parlab.widgets.context_parallel import ring_attention_widget
 from parlab.widgets.ddp import bucket_widget
+from parlab.widgets.experts import router_widget
 from parlab.widgets.memory import memory_widget
 from parlab.widgets.pipeline import schedule_widget
 from parlab.widgets.zero_steps import zero_step_widget
@@ -54,6 +56,8 @@ EVERY_WIDGET = {
     "memory_widget": lambda: memory_widget(FakeCluster(2, RuntimeError("unused"))),
     "schedule_widget": lambda: schedule_widget(FakeCluster(2, RuntimeError("unused")), K=2, M=4),
     "zero_step_widget": lambda: zero_step_widget(n_d=2),
+    "ring_attention_widget": lambda: ring_attention_widget(cp=4),
+    "router_widget": lambda: router_widget(E=8, k=2, ep=4),
 }
 
 
