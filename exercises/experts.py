@@ -1,0 +1,96 @@
+# Generated from solutions/experts.py by `python -m parlab.course.exercises build`.
+# Write your code where it raises NotImplementedError, then run `parlab grade experts`.
+# parlab-generated sha256=3a8c6301d018e8dd36e8c7a6474bc877f470849440464dacf51f83bd4cbcac25
+"""Exercise: top-k routing with a capacity, and expert parallelism's dispatch and combine.
+
+A mixture-of-experts layer sends each token to k of its E experts (MLPs). The router
+scores every (token, expert) pair; ``route`` decides where each token goes and which
+(token, choice) pairs an expert, full at its capacity, must drop.
+
+Expert parallelism splits the E experts over the ep ranks of a group: rank p of the group
+holds experts p E/ep .. (p + 1) E/ep - 1. Each rank routes its own tokens, sends each token
+to the rank holding its expert, runs its own experts on the rows it received, and sends the
+outputs back: ``dispatch_and_combine``, three all-to-alls (the counts, the rows, the outputs).
+
+``all_to_all(x, output_splits, input_splits, group)`` (from ``parlab.experts``) is torch's
+``all_to_all_single`` over ``group``: the first input_splits[0] rows of ``x`` go to group rank
+0, the next input_splits[1] to rank 1, ...; it returns the rows received, output_splits[p]
+of them from rank p, rank 0's first. Every rank of the group must call it, with splits that
+agree: what rank p sends rank q is what rank q expects from rank p. Use it for every
+exchange: the grader counts the bytes it sends.
+
+Symbols: T tokens (rows of h features), E experts, k experts per token, ep the ranks of the
+group.
+
+Stuck? ``parlab.hint("experts.route")`` in a notebook (or ``parlab hint experts.route`` in a
+terminal) opens a hint, one level at a time. Grade your work with ``parlab grade experts``
+(or ``parlab.check("experts")``).
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from parlab.experts import all_to_all
+
+
+class Routed(NamedTuple):
+    """Where ``route`` sent T tokens: (T, k) tensors, a row per token and a column per choice
+    (choice 0 the most probable expert), and one (E,) tensor:
+
+    - ``expert`` (long): the chosen expert;
+    - ``slot`` (long): the (token, choice) pair's place in its expert's queue, 0, 1, ...;
+    - ``gate`` (float): its weight in the token's output, 0 where dropped;
+    - ``dropped`` (bool): True where the slot is at or beyond the capacity;
+    - ``tokens_per_expert`` (long, (E,)): the pairs that chose each expert, dropped ones included."""
+
+    expert: torch.Tensor
+    slot: torch.Tensor
+    gate: torch.Tensor
+    dropped: torch.Tensor
+    tokens_per_expert: torch.Tensor
+
+
+def route(logits, k, capacity):
+    """Top-k routing of T tokens to E experts, each expert taking at most ``capacity``
+    (token, choice) pairs. logits: (T, E), the router's scores. Returns a ``Routed``.
+
+    - probs = softmax(logits) over the E experts; each token chooses its k most probable
+      experts, most probable first (torch.topk's order).
+    - Gates: with k = 1 the chosen probability itself (Switch Transformer); with k > 1 the k
+      chosen probabilities divided by their sum (GShard's top-2).
+    - Slots, as GShard: the first choices of all tokens are served before any second choice,
+      each choice in token order: token 0's first choice, token 1's first choice, ..., then
+      token 0's second choice, ... A pair's slot is the number of pairs served before it that
+      chose the same expert.
+    - A pair whose slot is >= capacity is dropped: its gate is set to 0 (the token's other
+      gates are left as they are, not renormalised)."""
+    raise NotImplementedError("route is not implemented yet: top-k, gates, then slots choice by choice, token by token")
+
+
+def dispatch_and_combine(tokens, expert_of_token, E, run_experts, group=None):
+    """Each of this rank's tokens through its expert, wherever that expert lives.
+
+    tokens (T, h): this rank's rows (T may differ from rank to rank); expert_of_token (T,)
+    long: the expert of each row, 0 .. E - 1 (one per token, nothing dropped); the E experts
+    are split over the ep ranks of ``group`` (None: the world), E/ep each. Returns (T, h):
+    row t the output of token t's expert on row t, in place of the token.
+
+    The exchange, all through ``all_to_all``:
+
+    1. the counts: a long tensor (ep, E/ep) whose row p says how many of my rows go to each
+       of rank p's experts, one row to each rank; what comes back, ``counts`` (ep, E/ep), says
+       how many rows each rank p will send each of my experts;
+    2. the rows, sorted by expert (so that rank 0's experts' rows come first, then rank 1's:
+       torch.argsort(..., stable=True) gives such an order);
+    3. ``run_experts(rows, counts)`` (given): my experts on the rows received, as they came
+       (rank 0's rows for my first expert, for my second, ..., then rank 1's); returns their
+       outputs (n, h), in the same order;
+    4. the outputs back, by the reverse all-to-all: each rank gets its rows in the order it
+       sent them, and puts each back where its token was."""
+    ep = dist.get_world_size(group)
+    if E % ep:
+        raise ValueError(f"E = {E} experts do not split over ep = {ep} ranks: choose E a multiple of {ep}.")
+    held = E // ep  # experts per rank
+    raise NotImplementedError("dispatch_and_combine is not implemented yet: counts, rows, experts, outputs back, each to its token")
