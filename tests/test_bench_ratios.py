@@ -12,6 +12,7 @@ from parlab.bench import (
     compression,
     ddp,
     emulation,
+    experts,
     pipeline,
     plan,
     ratio_header,
@@ -113,10 +114,21 @@ def plan_result():
             "batch": 16, "psi": 8, "ratio_means": ratio_header(plan.REFERENCE), "rows": [row]}
 
 
+def experts_result():
+    def row(layer, median):
+        return {"ep": 2, "layer": layer, "seconds": [median], "median_s": median, "comm_s": [median / 2],
+                "comm_median_s": median / 2, "comm_share": 0.5, "sent_bytes": [8, 8], "formula_bytes": [8, 8],
+                "predicted_comm_s": median / 4, "measured_over_predicted": 2.0}
+    return {"torch_version": "t", "cpu_count": 2, "link": {"latency": 1e-4, "bandwidth": 1e9},
+            "regime": "emulated: link", "config": {"h": 8, "E": 4, "k": 2, "T": 16, "capacity_factor": 1.25},
+            "steps": 1, "ratio_means": ratio_header(experts.REFERENCE),
+            "rows": experts.add_ratios([row(experts.LAYERS[0], FAST), row(experts.LAYERS[1], SLOW)])}
+
+
 RESULTS = {"collectives": collectives_result, "ddp": ddp_result, "pipeline": pipeline_result, "zero": zero_result,
            "runtime": runtime_result, "emulation": emulation_result, "tensor_parallel": tensor_parallel_result,
            "compression": compression_result, "async": async_result,
-           "plan": plan_result}
+           "plan": plan_result, "experts": experts_result}
 
 
 def test_every_bench_is_checked_here():

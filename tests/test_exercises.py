@@ -468,6 +468,10 @@ FIRST_STUB = {
     "planner": (10, {"planner.model_state_bytes_per_gpu": "model_state_bytes_per_gpu",
                      "planner.activation_bytes_per_gpu": "activation_bytes_per_gpu",
                      "planner.memory_per_gpu": "memory_per_gpu", "planner.torchrun_all_reduce": "torchrun_all_reduce"}),
+    "context_parallel": (9, {"context_parallel.merge_partial": "merge_partial",
+                             "context_parallel.ring_attention_forward": "ring_attention_forward",
+                             "context_parallel.zigzag_indices": "zigzag_indices"}),
+    "experts": (6, {"experts.route": "route", "experts.dispatch_and_combine": "dispatch_and_combine"}),
 }
 
 
