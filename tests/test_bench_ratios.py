@@ -10,6 +10,7 @@ from parlab.bench import (
     async_sgd,
     collectives,
     compression,
+    context_parallel,
     ddp,
     emulation,
     experts,
@@ -114,6 +115,17 @@ def plan_result():
             "batch": 16, "psi": 8, "ratio_means": ratio_header(plan.REFERENCE), "rows": [row]}
 
 
+def context_parallel_result():
+    one = {"cp": 2, "s": 8, "method": context_parallel.ONE_PROCESS, "seconds_median": SLOW, "ratio": 1.0,
+           "saved_bytes": 8, "memory_ratio": 1.0}
+    ring = {"cp": 2, "s": 8, "method": "ring", "seconds": [FAST], "seconds_median": FAST,
+            "ratio": time_ratio(FAST, SLOW), "saved_bytes": 4, "memory_ratio": 0.5, "forward_bytes": [8, 8],
+            "backward_bytes": [8, 8], "bytes_equal_formula": True}
+    return {"torch_version": "t", "cpu_count": 2, "link": {"latency": 1e-4, "bandwidth": 1e7}, "b": 1, "h": 8,
+            "a": 2, "steps": 1, "ratio_means": ratio_header(context_parallel.REFERENCE),
+            "memory_ratio_means": "m", "rows": [one, ring]}
+
+
 def experts_result():
     def row(layer, median):
         return {"ep": 2, "layer": layer, "seconds": [median], "median_s": median, "comm_s": [median / 2],
@@ -128,7 +140,7 @@ def experts_result():
 RESULTS = {"collectives": collectives_result, "ddp": ddp_result, "pipeline": pipeline_result, "zero": zero_result,
            "runtime": runtime_result, "emulation": emulation_result, "tensor_parallel": tensor_parallel_result,
            "compression": compression_result, "async": async_result,
-           "plan": plan_result, "experts": experts_result}
+           "plan": plan_result, "experts": experts_result, "context_parallel": context_parallel_result}
 
 
 def test_every_bench_is_checked_here():
@@ -194,6 +206,12 @@ def test_compression_ratios_are_the_compressors_over_the_dense_step():
     torch_dense, fp16 = result["torch"]
     assert (fp16["time_ratio"], fp16["bytes_ratio"], fp16["parlab_over_torch"]) == (0.5, 0.5, None)
     assert torch_dense["parlab_over_torch"] == 1  # parlab's dense over torch's dense DDP
+
+
+def test_context_parallel_ratio_is_each_methods_time_over_one_process():
+    rows = context_parallel_result()["rows"]
+    assert [row["ratio"] for row in rows] == [1.0, FAST / SLOW]
+    assert "0.25" in context_parallel.format_report(context_parallel_result())
 
 
 def test_async_ratio_is_each_methods_time_over_syncs():
