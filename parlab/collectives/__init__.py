@@ -1,4 +1,4 @@
-"""Collectives from scratch: naive, ring, butterfly and tree, on traced point-to-point calls.
+"""Collectives from scratch: naive, ring, butterfly, tree and all-to-all, on traced point-to-point calls.
 
 Each collective works in place on the default process group, like ``dist.all_reduce``, on
 a contiguous tensor of any shape and length (it works on the flat view), and talks only
@@ -27,12 +27,19 @@ all-gathers one small record per rank (collective, op, root, dtype, shape) and r
 same ValueError on every rank if they differ: N - 1 extra sends of ``METADATA_BYTES`` per
 rank. Pass ``check=False`` on every rank to see the algorithm's own traffic alone.
 
+The all-to-all is the one that does not work in place: ``all_to_all(x, output_splits,
+input_splits, group)`` returns the rows it received, as ``dist.all_to_all_single`` fills its
+output; chunks may be uneven and empty, and it makes no check across ranks (each rank already
+needs the sizes it will receive). Context and expert parallelism both trade through it.
+
 Where each algorithm lives: ``ring.py`` (the ring's schedule, chunks and collectives, and the
 consistency check), ``tree.py`` (naive all-reduce, tree broadcast and reduce), ``butterfly.py``,
-and ``_common.py`` (the local checks, the neighbour exchange, reductions, receive buffers).
+``all_to_all.py`` (its ring-shift schedule and the exchange), and ``_common.py`` (the local
+checks, the neighbour exchange, reductions, receive buffers).
 """
 
 from parlab.collectives._common import COLLECTIVES, DTYPES, MAX_DIMS, OPS
+from parlab.collectives.all_to_all import AllToAllStep, all_to_all, all_to_all_steps
 from parlab.collectives.butterfly import butterfly_all_reduce
 from parlab.collectives.ring import (
     METADATA_BYTES,
@@ -50,4 +57,5 @@ from parlab.collectives.tree import naive_all_reduce, tree_broadcast, tree_reduc
 
 __all__ = ["OPS", "DTYPES", "COLLECTIVES", "MAX_DIMS", "METADATA_BYTES", "RING_PHASES", "RingStep", "ring_steps",
            "naive_all_reduce", "ring_reduce_scatter", "ring_all_gather", "ring_all_reduce", "ring_contributions",
-           "chunk_bounds", "ring_chunks", "butterfly_all_reduce", "tree_broadcast", "tree_reduce"]
+           "chunk_bounds", "ring_chunks", "butterfly_all_reduce", "tree_broadcast", "tree_reduce", "AllToAllStep",
+           "all_to_all", "all_to_all_steps"]

@@ -4,21 +4,19 @@
     gather_blocks        all-gather of every rank's K/V block   reduce-scatter of dK, dV
     all_to_all           piece j of x to rank j, pieces joined  all-to-all back (dims swapped)
 
-Both talk through parlab's traced point-to-point layer (``parlab.p2p``; the all-gather and
-reduce-scatter are ``parlab.collectives``' rings), so ``cluster.trace`` counts every byte and
-an emulated link shapes every message. gloo's own ``dist.all_to_all_single`` works on CPU
-too (torch 2.13), but bypasses both; ``all_to_all`` is its pairwise form: at step j = 1 ..
-cp - 1 rank r sends piece r + j to rank r + j and receives piece r from rank r - j.
+Both talk through parlab's traced point-to-point layer: the all-gather and reduce-scatter are
+``parlab.collectives``' rings, the all-to-all its ``all_to_all`` (ring shifts: at step
+j = 1 .. cp - 1 rank r sends piece r + j to rank r + j and receives piece r from rank r - j),
+so ``cluster.trace`` counts every byte and an emulated link shapes every message. gloo's own
+``dist.all_to_all_single`` works on CPU too (torch 2.13), but bypasses both.
 """
 
 import torch
 import torch.distributed as dist
 
-from parlab import p2p, trace
+from parlab import collectives, trace
 from parlab._checks import place_in
 from parlab.collectives import ring_all_gather, ring_reduce_scatter
-
-ALL_TO_ALL_TAG = 3
 
 
 def place_in_cp_group(group):
@@ -84,17 +82,11 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _exchange_pieces(x, scatter_dim, gather_dim, group):
-    r, cp = place_in_cp_group(group)
+    _, cp = place_in_cp_group(group)
     if x.shape[scatter_dim] % cp:
         raise ValueError(f"an all-to-all cuts dim {scatter_dim} of a {tuple(x.shape)} tensor into cp = {cp} equal "
                          f"pieces: make that size a multiple of {cp}.")
-    pieces = [piece.contiguous() for piece in x.chunk(cp, scatter_dim)]
-    received = [pieces[r] if j == r else torch.empty_like(pieces[r]) for j in range(cp)]
-    requests = []
+    pieces = torch.stack(x.chunk(cp, scatter_dim))  # (cp, *piece): piece j for rank j
     with trace.span("all-to-all"):
-        for j in range(1, cp):  # pairwise: send to r + j while receiving from r - j
-            to, source = (r + j) % cp, (r - j) % cp
-            requests += [p2p.isend(pieces[to], global_rank(group, to), ALL_TO_ALL_TAG),
-                         p2p.irecv(received[source], global_rank(group, source), ALL_TO_ALL_TAG)]
-        p2p.wait_all(requests)
-    return torch.cat(received, gather_dim)
+        received = collectives.all_to_all(pieces, group=group)  # (cp, *piece): row i from rank i
+    return torch.cat(received.unbind(0), gather_dim)

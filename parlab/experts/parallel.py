@@ -22,14 +22,12 @@ all-reduce. ``average_gradients`` does both. Every collective takes ``group`` (l
 ``mesh.group("ep")``) and stays inside it; ``cluster.trace`` records each all-to-all.
 """
 
-import math
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from parlab import trace
+from parlab import collectives, trace
 from parlab._checks import place_in
 from parlab.collectives import ring_all_reduce
 from parlab.experts.moe import MoE, flat_tokens, run_experts
@@ -37,6 +35,10 @@ from parlab.experts.routing import combine_choices, dispatch_order, expert_capac
 
 __all__ = ["AllToAll", "Dispatch", "ExpertParallelMoE", "all_to_all", "all_to_all_bytes", "balanced_all_to_all_bytes",
            "combine", "dispatch", "experts_per_rank", "traced_all_to_all_bytes"]
+
+# The names of the all-to-all's messages in the trace (send, receive): a step's all-to-all
+# bytes count apart from the ring all-reduce's "isend"s (``traced_all_to_all_bytes``).
+MESSAGES = ("all_to_all send", "all_to_all recv")
 
 
 class Dispatch(NamedTuple):
@@ -145,26 +147,14 @@ class AllToAll(torch.autograd.Function):
 
 
 def all_to_all(x, output_splits, input_splits, group=None, name="all-to-all"):
-    """torch's ``all_to_all_single`` over ``group``: rows input_splits[p] of ``x`` (in rank
-    order) go to rank p; output_splits[p] rows come from rank p, in rank order. Returns the
-    received (sum(output_splits), ...) tensor. Inside a span ``name``; with tracing on each
-    peer's bytes are recorded as "all_to_all send" / "all_to_all recv" events (global ranks;
-    a rank's rows to itself never reach the wire). torch's collective: an emulated link
-    does not shape its time."""
-    r, ep = place_in(group)
-    received = x.new_empty((sum(output_splits), *x.shape[1:]))
+    """``parlab.collectives.all_to_all`` over ``group`` (what torch's ``all_to_all_single``
+    computes, on parlab's p2p layer: traced, and paying an emulated link): rows input_splits[p] of ``x``
+    (in rank order) go to rank p; output_splits[p] rows come from rank p, in rank order.
+    Returns the received (sum(output_splits), ...) tensor. Inside a span ``name``; each
+    message is traced as an "all_to_all send" / "all_to_all recv" event (``MESSAGES``: global
+    ranks; a rank's rows to itself never reach the wire), apart from the router's all-reduce."""
     with trace.span(name):
-        start = trace.now()
-        dist.all_to_all_single(received, x.contiguous(), output_splits, input_splits, group=group)
-        end = trace.now()
-    row_bytes = math.prod(x.shape[1:]) * x.element_size()
-    for p in range(ep):
-        peer = p if group is None else dist.get_global_rank(group, p)
-        if p != r and input_splits[p]:
-            trace.record_comm("all_to_all send", peer, input_splits[p] * row_bytes, start, end)
-        if p != r and output_splits[p]:
-            trace.record_comm("all_to_all recv", peer, output_splits[p] * row_bytes, start, end)
-    return received
+        return collectives.all_to_all(x, output_splits, input_splits, group, ops=MESSAGES)
 
 
 def all_to_all_bytes(routing, rank, ep, h, element_bytes=4):
@@ -186,10 +176,10 @@ def balanced_all_to_all_bytes(T, k, h, ep, element_bytes=4):
 
 def traced_all_to_all_bytes(timeline):
     """(bytes sent, bytes received) by each rank in the all-to-alls of a traced call, two
-    lists indexed by rank (exact: counted from the "all_to_all send"/"recv" events). Narrow
+    lists indexed by rank (exact: counted from the ``MESSAGES`` events). Narrow
     to one phase with ``timeline.window("dispatch", i)``: the i-th span named so on each rank."""
-    return tuple([sum(ev.nbytes for ev in timeline.select(rank=r, kind=trace.COMM, name=f"all_to_all {way}"))
-                  for r in range(timeline.world_size)] for way in ("send", "recv"))
+    return tuple([sum(ev.nbytes for ev in timeline.select(rank=r, kind=trace.COMM, name=message))
+                  for r in range(timeline.world_size)] for message in MESSAGES)
 
 
 def experts_per_rank(E, ep):
