@@ -1,6 +1,6 @@
 # Generated from solutions/experts.py by `python -m parlab.course.exercises build`.
 # Write your code where it raises NotImplementedError, then run `parlab grade experts`.
-# parlab-generated sha256=3a8c6301d018e8dd36e8c7a6474bc877f470849440464dacf51f83bd4cbcac25
+# parlab-generated sha256=6b5fc345387cff3c6401625a11c3963c3def11c0c682214e4ab6993f675559ef
 """Exercise: top-k routing with a capacity, and expert parallelism's dispatch and combine.
 
 A mixture-of-experts layer sends each token to k of its E experts (MLPs). The router
@@ -12,8 +12,8 @@ holds experts p E/ep .. (p + 1) E/ep - 1. Each rank routes its own tokens, sends
 to the rank holding its expert, runs its own experts on the rows it received, and sends the
 outputs back: ``dispatch_and_combine``, three all-to-alls (the counts, the rows, the outputs).
 
-``all_to_all(x, output_splits, input_splits, group)`` (from ``parlab.experts``) is torch's
-``all_to_all_single`` over ``group``: the first input_splits[0] rows of ``x`` go to group rank
+``all_to_all(x, output_splits, input_splits, group)`` (from ``parlab.experts``) computes what
+torch's ``all_to_all_single`` does over ``group``, on parlab's point-to-point layer: the first input_splits[0] rows of ``x`` go to group rank
 0, the next input_splits[1] to rank 1, ...; it returns the rows received, output_splits[p]
 of them from rank p, rank 0's first. Every rank of the group must call it, with splits that
 agree: what rank p sends rank q is what rank q expects from rank p. Use it for every

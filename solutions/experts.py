@@ -9,8 +9,8 @@ holds experts p E/ep .. (p + 1) E/ep - 1. Each rank routes its own tokens, sends
 to the rank holding its expert, runs its own experts on the rows it received, and sends the
 outputs back: ``dispatch_and_combine``, three all-to-alls (the counts, the rows, the outputs).
 
-``all_to_all(x, output_splits, input_splits, group)`` (from ``parlab.experts``) is torch's
-``all_to_all_single`` over ``group``: the first input_splits[0] rows of ``x`` go to group rank
+``all_to_all(x, output_splits, input_splits, group)`` (from ``parlab.experts``) computes what
+torch's ``all_to_all_single`` does over ``group``, on parlab's point-to-point layer: the first input_splits[0] rows of ``x`` go to group rank
 0, the next input_splits[1] to rank 1, ...; it returns the rows received, output_splits[p]
 of them from rank p, rank 0's first. Every rank of the group must call it, with splits that
 agree: what rank p sends rank q is what rank q expects from rank p. Use it for every

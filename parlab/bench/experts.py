@@ -26,9 +26,9 @@ prediction of the collectives: per all-to-all the busiest port's (N-1) alpha + b
 per all-reduce ``parlab.alpha_beta.cost_model("ring", ...)``. ``ratio``: the MoE's step
 over the dense layer's at the same N (below 1: the MoE's is faster).
 
-parlab.experts' all-to-all is torch's ``all_to_all_single``, which the emulated link does not
-shape (only parlab's point-to-point layer is), so its measured / predicted compares loopback
-with the declared link; the tensor-parallel ring is shaped.
+Both layers' collectives travel on parlab's point-to-point layer (the all-to-all is
+``parlab.collectives.all_to_all``, the all-reduce parlab's ring), so the emulated link shapes
+both alike.
 """
 
 import os
@@ -224,6 +224,6 @@ def format_report(result):
         f"tokens per rank) with expert parallelism against a dense MLP {config['k']} x 4h wide with tensor "
         f"parallelism; median of {result['steps']} steps; {result['regime']}; torch {result['torch_version']}, "
         f"{result['cpu_count']} CPU cores. Sent / rank: the busiest rank's bytes in the collectives, traced and "
-        f"by the formula; predicted: the alpha-beta model on link {link.describe()}. The all-to-all is torch's, "
-        f"not shaped by the emulated link.\n{result['ratio_means']}\n\n{table}"
+        f"by the formula; predicted: the alpha-beta model on link {link.describe()}; both layers' messages pay "
+        f"the emulated link.\n{result['ratio_means']}\n\n{table}"
     )
