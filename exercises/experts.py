@@ -1,6 +1,6 @@
 # Generated from solutions/experts.py by `python -m parlab.course.exercises build`.
 # Write your code where it raises NotImplementedError, then run `parlab grade experts`.
-# parlab-generated sha256=07aef94c2d676f6203109c3206b17f81ca1eb3b6c905a19791bdf8d3fc494863
+# parlab-generated sha256=66f6f210c1ec1ec56d2b4b7570d23f0020b4b427b6708a41017e5be8ee413041
 """Exercise: top-k routing with a capacity, and expert parallelism's dispatch and combine.
 
 A mixture-of-experts layer sends each token to k of its E experts (MLPs). The router
@@ -15,9 +15,9 @@ outputs back: ``dispatch_and_combine``, three all-to-alls (the counts, the rows,
 ``all_to_all(x, output_splits, input_splits, group)`` (from ``parlab.experts``) computes what
 torch's ``all_to_all_single`` does over ``group``, on parlab's point-to-point layer: the first
 input_splits[0] rows of ``x`` go to group rank 0, the next input_splits[1] to rank 1, ...; it
-returns the rows received, output_splits[p] of them from rank p, rank 0's first. Every rank of the group must call it, with splits that
-agree: what rank p sends rank q is what rank q expects from rank p. Use it for every
-exchange: the grader counts the bytes it sends.
+returns the rows received, output_splits[p] of them from rank p, rank 0's first. Every rank
+of the group must call it, with splits that agree: what rank p sends rank q is what rank q
+expects from rank p. Use it for every exchange: the grader counts the bytes it sends.
 
 Symbols: T tokens (rows of h features), E experts, k experts per token, ep the ranks of the
 group.

@@ -12,9 +12,9 @@ outputs back: ``dispatch_and_combine``, three all-to-alls (the counts, the rows,
 ``all_to_all(x, output_splits, input_splits, group)`` (from ``parlab.experts``) computes what
 torch's ``all_to_all_single`` does over ``group``, on parlab's point-to-point layer: the first
 input_splits[0] rows of ``x`` go to group rank 0, the next input_splits[1] to rank 1, ...; it
-returns the rows received, output_splits[p] of them from rank p, rank 0's first. Every rank of the group must call it, with splits that
-agree: what rank p sends rank q is what rank q expects from rank p. Use it for every
-exchange: the grader counts the bytes it sends.
+returns the rows received, output_splits[p] of them from rank p, rank 0's first. Every rank
+of the group must call it, with splits that agree: what rank p sends rank q is what rank q
+expects from rank p. Use it for every exchange: the grader counts the bytes it sends.
 
 Symbols: T tokens (rows of h features), E experts, k experts per token, ep the ranks of the
 group.
