@@ -12,6 +12,7 @@ from parlab.bench.zero import (
     ENGINES,
     REFERENCE,
     STAGE_RATIO,
+    bench_zero,
     bench_zero_link,
     format_report,
     overlap_model,
@@ -60,6 +61,16 @@ def test_command_line_json_measures_every_engine_and_parlab_matches_the_formula(
     report = format_report(result)
     assert "/ formula" in report and "time / torch" in report and "kappa = 8" in report
     assert all(f"{row['engine']}  " in report for row in result["rows"])
+
+
+@pytest.mark.timeout(120)
+def test_stages_on_the_command_line_measure_only_those_engines(capsys):
+    argv = ["bench", "zero", "--json", "--stages", "0", "--world-sizes", "2", "--steps", "1", "--hidden",
+            str(HIDDEN), "--depth", str(DEPTH), "--batch-size", "4"]
+    assert cli.main(argv) == 0
+    ours, theirs = json.loads(capsys.readouterr().out)["rows"]
+    assert (ours["engine"], theirs["engine"]) == ("ZeroDP stage 0", "torch DDP")
+    assert ours["ratio"]["time"] == pytest.approx(ours["median_s"] / theirs["median_s"])
 
 
 @pytest.mark.timeout(180)
@@ -141,12 +152,16 @@ def test_time_overlap_times_fsdp_with_and_without_prefetch_against_its_model(clu
     (lambda: bench_zero_link(Link(1e-4, 1e8), world_sizes=[0]), "each of world_sizes"),
     (lambda: bench_zero_link(Link(1e-4, 1e8), compute_s=-1), "compute_s"),
     (lambda: time_stages(None, stages=(4,)), "ZeRO stages 0 to 3, got 4"),
+    (lambda: bench_zero(stages=[4]), "stages must list ZeRO stages"),
+    (lambda: bench_zero(stages=[]), "stages must list ZeRO stages"),
 ])
 def test_bad_arguments_are_refused_before_any_rank_starts(call, message):
     with pytest.raises(ValueError, match=message):
         call()
 
 
-def test_link_on_the_command_line_is_the_cpus():
+def test_link_on_the_command_line_is_the_cpus_and_every_stages():
     with pytest.raises(ValueError, match="drop --device cuda"):
         cli.main(["bench", "zero", "--link", "200us,25MB/s", "--device", "cuda"])
+    with pytest.raises(ValueError, match="--link measures every stage"):
+        cli.main(["bench", "zero", "--link", "200us,25MB/s", "--stages", "0"])

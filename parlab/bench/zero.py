@@ -60,7 +60,7 @@ from parlab.bench.zero_link import (
     time_overlap,
     time_stages,
 )
-from parlab.memory import FP32_ADAM, model_state_bytes
+from parlab.memory import FP32_ADAM, STAGES, model_state_bytes
 from parlab.units import MIB
 
 __all__ = ["ENGINES", "REFERENCE", "STAGE_RATIO", "TARGET_RATIO", "TARGET_TOLERANCE", "add_arguments", "add_ratios",
@@ -84,6 +84,8 @@ ENGINES = [  # (implementation, stage, name), by stage
 def add_arguments(parser):
     count = dict(type=positive_int, metavar="N")
     parser.add_argument("--world-sizes", nargs="+", default=[2, 4], help="default: 2 4", **count)
+    parser.add_argument("--stages", nargs="+", type=int, choices=STAGES, metavar="S",
+                        help="real time: only the engines of these ZeRO stages, parlab's and torch's (default: all)")
     parser.add_argument("--steps", help="timed steps per engine (default 10; 5 with --link)", **count)
     parser.add_argument("--hidden", help="features of every Linear layer (default 1024; 512 with --link)", **count)
     parser.add_argument("--depth", default=4, help="Linear layers (default 4)", **count)
@@ -99,29 +101,37 @@ def add_arguments(parser):
 def run(args):
     if args.link is None:
         return bench_zero(args.world_sizes, args.steps or 10, args.hidden or 1024, args.depth, args.batch_size or 64,
-                          args.device)
+                          args.device, args.stages)
+    if args.stages is not None:
+        raise ValueError("--stages picks the engines of the real-time comparison; --link measures every stage: "
+                         "drop one of them.")
     if args.device != "cpu":
         raise ValueError("--link measures emulated time on CPU ranks: drop --device cuda.")
     return bench_zero_link(args.link, args.world_sizes, args.steps or 5, args.hidden or 512, args.depth,
                            args.batch_size or 4, 0.01 if args.compute_ms is None else args.compute_ms / 1e3)
 
 
-def bench_zero(world_sizes=(2, 4), steps=10, hidden=1024, depth=4, batch_size=64, device="cpu"):
-    """Measure every engine at every world size; returns a JSON-ready dict with one row per
-    (world_size, engine): bytes (the largest rank's ModelState as a dict), formula (the
-    same for the paper), median_s and seconds (slowest rank), and for parlab rows the
-    ratios to torch's engine of the same stage (None where torch has none)."""
+def bench_zero(world_sizes=(2, 4), steps=10, hidden=1024, depth=4, batch_size=64, device="cpu", stages=None):
+    """Measure every engine (of ``stages`` only, if given: e.g. [0], ZeroDP stage 0 beside
+    torch's DDP) at every world size; returns a JSON-ready dict with one row per (world_size,
+    engine): bytes (the largest rank's ModelState as a dict), formula (the same for the
+    paper), median_s and seconds (slowest rank), and for parlab rows the ratios to torch's
+    engine of the same stage (None where torch has none)."""
     check_arguments(device, world_sizes=world_sizes, steps=steps, hidden=hidden, depth=depth, batch_size=batch_size)
+    if stages is not None and (not stages or any(stage not in STAGES for stage in stages)):
+        raise ValueError(f"stages must list ZeRO stages among {list(STAGES)}, got {stages!r}: e.g. [0] for ZeroDP "
+                         "stage 0 and torch's DDP.")
+    engines = [engine for engine in ENGINES if stages is None or engine[1] in stages]
     sizes = [hidden] * (depth + 1)
     psi = sum(p.numel() for p in mlp(sizes).parameters())
     rows, backend = [], None
     for world_size in world_sizes:
         progress("zero", f"N={world_size}: starting {world_size} ranks ...")
         with runtime.Cluster(world_size, device=device) as cluster:
-            progress("zero", f"N={world_size}: {WARMUP_STEPS} + {steps} steps of {len(ENGINES)} engines ...")
-            measured = cluster.run(measure_engines, [name for *_, name in ENGINES], steps, sizes, batch_size)
+            progress("zero", f"N={world_size}: {WARMUP_STEPS} + {steps} steps of {len(engines)} engines ...")
+            measured = cluster.run(measure_engines, [name for *_, name in engines], steps, sizes, batch_size)
         backend = measured[0]["backend"]
-        for index, (implementation, stage, name) in enumerate(ENGINES):
+        for index, (implementation, stage, name) in enumerate(engines):
             per_rank = [rank_result["bytes"][index] for rank_result in measured]
             seconds = measured[0]["seconds"][index]
             rows.append({

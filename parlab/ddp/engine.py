@@ -121,12 +121,12 @@ class DDP(torch.nn.Module):
     variant: "naive" | "flat" | "overlapped" | "bucketed" (table above); ``bucket_cap_mb``
     is used by "bucketed".
     all_reduce: ``all_reduce(tensor)`` sums ``tensor`` in place over the group. It may
-    return a handle to ``wait()`` for (asynchronous; the default is ``dist.all_reduce``
-    with ``async_op=True``, or, when the cluster emulates its links, parlab's ring
-    all-reduce on the rank's communication thread, ``parlab.background``, so that its
-    messages pay the link's time) or return when done (e.g. ``parlab.collectives.ring_all_reduce``:
-    each bucket is then reduced inside backward, and its sends and receives show up in the
-    trace too).
+    return a handle to ``wait()`` for (asynchronous; the default, ``regime_all_reduce(group,
+    async_op=True)``, is ``dist.all_reduce`` with ``async_op=True``, or, when the cluster
+    emulates its links, parlab's ring all-reduce on the rank's communication thread,
+    ``parlab.background``, so that its messages pay the link's time) or return when done
+    (e.g. ``parlab.collectives.ring_all_reduce``: each bucket is then reduced inside backward,
+    and its sends and receives show up in the trace too).
     comm_hook: ``comm_hook(bucket) -> reduced bucket``, the flat 1-D bucket of this rank's
     gradients in, their average over ranks out (or a handle whose ``wait()`` returns it,
     e.g. a ``torch.futures.Future``). Default: sum with ``all_reduce``, divide by N_d. A
@@ -165,7 +165,7 @@ class DDP(torch.nn.Module):
         if len({p.dtype for p in self.parameters_to_sync}) > 1:
             raise ValueError("a bucket holds one dtype: convert the module to one dtype first, e.g. module.float().")
         self.variant, self.broadcast_buffers = variant, broadcast_buffers
-        self.all_reduce = all_reduce or _default_all_reduce(group)
+        self.all_reduce = all_reduce or regime_all_reduce(group, async_op=True)
         self.comm_hook = comm_hook or self.average_with_all_reduce
         self.group = group
         _, self.world_size = place_in(group, "build DDP only on the group's members (each rank passes the group it "
@@ -318,10 +318,23 @@ class AllReduceInFlight:
         return self.bucket.div_(self.world_size)
 
 
-def _default_all_reduce(group):
-    if emulation.shapes_links():
-        return functools.partial(background.start, collectives.ring_all_reduce, check=False, group=group)
-    return functools.partial(dist.all_reduce, async_op=True, group=group)
+def regime_all_reduce(group=None, async_op=False, ring_when_traced=False):
+    """``all_reduce(bucket)``, the all-reduce that sums a bucket of gradients in place over
+    ``group`` in this rank's regime (``parlab.runtime.emulation``): when the cluster emulates
+    its links, parlab's ring (``collectives.ring_all_reduce``), whose messages pay the link's
+    time and show in the trace, so the lectures' timelines hold; in real time, torch's
+    ``dist.all_reduce``, one gloo (or NCCL) call per bucket as torch's DDP makes (on 2 to 4 CPU
+    ranks the ring's Python loop of sends and receives takes 1.15 to 1.7 times as long for a
+    bucket of 16 MiB). ``all_reduce`` returns when done, or with ``async_op=True`` at once, with
+    a handle to ``wait()`` for (the ring then runs on the rank's communication thread,
+    ``parlab.background``). With ``ring_when_traced``, also parlab's ring inside
+    ``cluster.trace`` (chosen when it is called: build the engine inside the traced function),
+    so that the trace counts the bytes. DDP's default ``all_reduce``; ZeroDP's stage 0 reduces
+    its buckets with it, ring when traced: lecture 04 counts every stage's bytes in the trace."""
+    if emulation.shapes_links() or (ring_when_traced and trace.recording()):
+        ring = functools.partial(collectives.ring_all_reduce, check=False, group=group)
+        return functools.partial(background.start, ring) if async_op else ring
+    return functools.partial(dist.all_reduce, async_op=async_op, group=group)
 
 
 def _broadcast_from_first(tensors, group):

@@ -48,8 +48,12 @@ import torch.distributed as dist
 
 from parlab import background, collectives, trace
 from parlab.ddp import assign_buckets
+from parlab.ddp.engine import regime_all_reduce
 from parlab.units import MIB
 from parlab.zero.formulas import stage2_peak_gradient_bytes
+
+# Stage 0's first bucket when bucket_cap_mb is not given, torch DDP's (dist._DEFAULT_FIRST_BUCKET_BYTES)
+FIRST_BUCKET_MB = 1
 
 
 class GradientBuckets:
@@ -199,44 +203,98 @@ class Bucket:
 
 class AllReduceBuckets:
     """Stage 0's buckets: the flat gradient (``flat_grad``, whose views are the module
-    gradients) cut into ranges that are ring all-reduced (averaged) in place during backward,
-    as ``parlab.ddp.DDP("bucketed")`` does: each range is launched on the rank's communication
+    gradients) cut into ranges that are all-reduced in place during backward, as
+    ``parlab.ddp.DDP("bucketed")`` does: each range is launched on the rank's communication
     thread (``parlab.background``) as soon as backward has produced all its gradients, and the
-    next gradients are computed meanwhile; ``finish`` launches what is left and waits.
+    next gradients are computed meanwhile; ``finish`` waits for them. The all-reduce is DDP's
+    choice for the regime (``parlab.ddp.engine.regime_all_reduce``): parlab's ring when the
+    links are emulated or the run is traced (its bytes counted like every other stage's),
+    torch's ``dist.all_reduce`` in real time otherwise.
 
-    The buckets are stage 2's (``assign_buckets``, reverse order, up to ``bucket_cap_mb``); bucket
-    b's range ends where bucket b - 1's begins (the first ends at padded Psi) and begins at its
-    first parameter's offset rounded up to a multiple of N_d (the last begins at 0). So every
-    range holds a multiple of N_d elements, a ring moves it in equal chunks and each rank sends
-    2 (N_d - 1)/N_d of it: over all ranges, exactly one ring all-reduce of padded Psi. (The few
-    elements a rounding leaves out go with the next range; a range left empty is skipped.) With
-    one bucket the range is the whole buffer, chunked as its N_d shards."""
+    Gradients, as torch's DDP with ``gradient_as_bucket_view=True`` handles them: ``zero_grad``
+    sets them to None, so backward hands each parameter a gradient of its own, which its hook
+    divides by N_d into the parameter's view of the flat gradient (one pass over it; zeroing
+    the flat gradient, adding into it and dividing after the all-reduce took three) and makes
+    the view the parameter's gradient. Each range then holds this rank's share of the average,
+    g_r / N_d, and its all-reduce, a sum, leaves the average. Every backward is one round:
+    when it is over (a callback autograd makes at its end), a parameter it gave no gradient
+    adds zeros, or what its view holds divided by N_d, and the buckets not launched yet are.
+    A later backward without ``zero_grad`` (gradient accumulation) adds into the views, which
+    hold the average so far, and the hook divides them: the round's sum leaves the average
+    plus the new one. (Dividing before the sum rather than after changes no bit when N_d is a
+    power of two, and otherwise only the rounding.)
 
-    def __init__(self, parameters, layout, flat_grad, bucket_cap_mb, group=None):
-        self.flat_grad, self.group = flat_grad, group
+    The buckets are stage 2's (``assign_buckets``, reverse order, up to ``bucket_cap_mb``), but
+    for the first, which closes once it holds ``first_bucket_mb`` if given
+    (``assign_buckets_with_first``); bucket b's range ends where bucket b - 1's begins (the
+    first ends at padded Psi) and begins at its first parameter's offset rounded up to a
+    multiple of N_d (the last begins at 0). So every range holds a multiple of N_d elements, a
+    ring moves it in equal chunks and each rank sends 2 (N_d - 1)/N_d of it: over all ranges,
+    exactly one ring all-reduce of padded Psi. (The few elements a rounding leaves out go with
+    the next range; a range left empty is skipped.) With one bucket the range is the whole
+    buffer, chunked as its N_d shards."""
+
+    def __init__(self, parameters, layout, flat_grad, bucket_cap_mb, first_bucket_mb=None, group=None):
+        self.flat_grad, self.group, self.world_size = flat_grad, group, layout.world_size
+        self.sum_in_place = regime_all_reduce(group, ring_when_traced=True)  # chosen once, as DDP chooses
         sizes = [p.numel() * p.element_size() for p in parameters]
-        groups = [sorted(indices) for indices in assign_buckets(sizes, bucket_cap_mb * MIB)]
+        groups = (assign_buckets(sizes, bucket_cap_mb * MIB) if first_bucket_mb is None
+                  else assign_buckets_with_first(sizes, first_bucket_mb * MIB, bucket_cap_mb * MIB))
+        groups = [sorted(indices) for indices in groups]
         N, end = layout.world_size, layout.padded_numel
         self.ranges, self.sizes = [], [len(indices) for indices in groups]
         for b, indices in enumerate(groups):
             start = 0 if b == len(groups) - 1 else -(-layout.offsets[indices[0]] // N) * N
             self.ranges.append((start, end))
             end = start
-        self.ready = [0] * len(groups)  # gradients arrived in this round
-        self.launched = 0  # buckets launched in this round, a prefix
+        self.parameters, self.views = parameters, layout.views(flat_grad)
         self.in_flight = []  # the handles of the all-reduces launched, not yet waited for
+        self.new_round()
         for b, indices in enumerate(groups):
             for index in indices:
-                parameters[index].register_post_accumulate_grad_hook(functools.partial(self.gradient_ready, b))
+                parameters[index].register_post_accumulate_grad_hook(functools.partial(self.gradient_ready, b, index))
 
-    def gradient_ready(self, bucket, param):
-        """Post-accumulate-grad hook: count the gradient (backward accumulated it into the flat
-        gradient already); launch every bucket now complete, in order."""
+    def new_round(self):
+        self.begun = False  # a gradient of this backward arrived (and end_of_backward is queued)
+        self.reported = [False] * len(self.parameters)  # got a gradient in this backward
+        self.ready = [0] * len(self.ranges)  # gradients arrived in this backward, per bucket
+        self.launched = 0  # buckets launched in this backward, a prefix
+
+    def gradient_ready(self, bucket, index, param):
+        """Post-accumulate-grad hook: this rank's share of the gradient into the parameter's
+        view (``share``), then launch every bucket now complete, in order. The backward's
+        first gradient has autograd call ``end_of_backward`` when the backward is over."""
+        if not self.begun:  # autograd's queue of calls at the end of this backward, as torch's FSDP uses it
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+            self.begun = True
+        self.share(index)
+        self.reported[index] = True
         self.ready[bucket] += 1
         while self.launched < len(self.ranges) and self.ready[self.launched] == self.sizes[self.launched]:
             self.launch(self.launched)
-        if self.launched == len(self.ranges):
-            self.launched, self.ready = 0, [0] * len(self.ranges)  # a whole round: accumulation starts another
+
+    def share(self, index):
+        """Parameter ``index``'s gradient, divided by N_d, into its view of the flat gradient,
+        which becomes its gradient: backward's own gradient divided into it, or a view that
+        backward accumulated into divided in place; none (no gradient since ``zero_grad``): zeros."""
+        param, view = self.parameters[index], self.views[index]
+        if param.grad is None:
+            view.zero_()
+        elif param.grad.data_ptr() == view.data_ptr():
+            view.div_(self.world_size)
+        else:
+            torch.div(param.grad, self.world_size, out=view)
+        param.grad = view
+
+    def end_of_backward(self):
+        """Autograd's callback at the end of a backward: the parameters that got no gradient in
+        it share what they hold (``share``), the buckets not launched yet are, in order."""
+        for index, reported in enumerate(self.reported):
+            if not reported:
+                self.share(index)
+        while self.launched < len(self.ranges):
+            self.launch(self.launched)
+        self.new_round()
 
     def launch(self, bucket):
         start, end = self.ranges[bucket]
@@ -245,19 +303,18 @@ class AllReduceBuckets:
         self.launched += 1
 
     def all_reduce(self, bucket, start, end):
-        """On the communication thread: the ring all-reduce (average) of the flat gradient's
-        range [start, end), bucket ``bucket``'s."""
+        """On the communication thread: the all-reduce (sum) of the flat gradient's range
+        [start, end), bucket ``bucket``'s, which holds each rank's share of the average."""
         with trace.span("all-reduce gradients", stage=bucket):
-            collectives.ring_all_reduce(self.flat_grad[start:end], op="avg", check=False, group=self.group)
+            self.sum_in_place(self.flat_grad[start:end])
 
     def finish(self):
-        """Launch the buckets of the round not launched yet (a parameter without a gradient
-        counts zeros: its range of the flat gradient), then wait for every all-reduce."""
-        if self.launched or any(self.ready):
-            while self.launched < len(self.ranges):
-                self.launch(self.launched)
-            self.launched, self.ready = 0, [0] * len(self.ranges)
+        """Wait for every all-reduce. A parameter without a gradient since ``zero_grad`` (no
+        backward ran) gets its view, zeroed."""
         self.wait()
+        for index, param in enumerate(self.parameters):
+            if param.grad is None:
+                self.share(index)
 
     def wait(self):
         """Wait for the all-reduces in flight, in launch order."""
@@ -266,6 +323,26 @@ class AllReduceBuckets:
         self.in_flight = []
 
     def discard(self):
-        """Before the flat gradient is zeroed (``zero_grad``): wait, and forget the round begun."""
+        """``zero_grad``: wait, then set the gradients to None, as torch's ``zero_grad`` does
+        (the next backward hands over gradients of its own)."""
         self.wait()
-        self.launched, self.ready = 0, [0] * len(self.ranges)
+        self.new_round()
+        for param in self.parameters:
+            param.grad = None
+
+
+def assign_buckets_with_first(sizes_in_bytes, first_bucket_bytes, bucket_cap_bytes):
+    """Stage 0's buckets, as torch's DDP makes them: the first takes the last parameters (whose
+    gradients backward makes first) until it holds ``first_bucket_bytes``, the gradient that
+    reaches it included; the rest go to ``assign_buckets`` with ``bucket_cap_bytes``. With
+    torch's defaults (1 MiB, then 25 MiB; ``ZeroDP``'s when ``bucket_cap_mb`` is not given) a
+    model over 1 MiB has its first all-reduce launched once its last layer's gradients exist,
+    while backward computes the others; in one bucket of up to 25 MiB, it would only start
+    after backward. E.g. sizes [264, 144, 24], first 100, cap 1000: [[2, 1], [0]]."""
+    count = len(sizes_in_bytes)
+    first, held = count, 0
+    while first and held < first_bucket_bytes:
+        first -= 1
+        held += sizes_in_bytes[first]
+    first_bucket = [list(reversed(range(first, count)))] if first < count else []
+    return first_bucket + assign_buckets(sizes_in_bytes[:first], bucket_cap_bytes)

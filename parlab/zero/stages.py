@@ -41,13 +41,20 @@ made stage 0's optimizer step 1.5 to 2 times torch's. ``shard`` is then the whol
 optimizer of your own.)
 
 Gradients. Stages 0 and 1 keep one flat gradient buffer (4 Psi) whose views are the module
-gradients, so backward accumulates straight into it. Stage 0 all-reduces it during backward,
-as ``parlab.ddp.DDP("bucketed")`` does: cut into buckets of up to ``bucket_cap_mb`` in the
-order backward produces them (``parlab.zero.buckets.AllReduceBuckets``), each bucket's range
-is ring all-reduced (averaged) in place on the rank's communication thread
-(``parlab.background``) as soon as backward has produced its gradients, while backward
-computes the next ones; ``finish_gradient_synchronization`` waits for them. Each range holds a
-multiple of N_d elements, so the bytes are exactly one ring all-reduce of padded Psi. Stage 1
+gradients. At stage 1 backward accumulates straight into it. Stage 0 all-reduces it during
+backward, as ``parlab.ddp.DDP("bucketed")`` does, with the all-reduce DDP takes in the regime
+(torch's ``dist.all_reduce`` in real time, parlab's ring on an emulated link:
+``parlab.ddp.engine.regime_all_reduce``): cut into buckets of up to ``bucket_cap_mb`` in the
+order backward produces them (``parlab.zero.buckets.AllReduceBuckets``; without a
+``bucket_cap_mb``, the first bucket closes at 1 MiB, as torch's DDP's), each bucket's range is
+all-reduced in place on the rank's communication thread (``parlab.background``) as soon as
+backward has produced its gradients, while backward computes the next ones;
+``finish_gradient_synchronization`` waits for them. Its gradients go as torch's DDP's with
+``gradient_as_bucket_view=True``: ``zero_grad`` sets them to None, backward hands over its own
+and a hook divides each by N_d into its view, which becomes the module's gradient, so the sum
+of the ranges is the average (one pass over the gradients, where zeroing the buffer, adding
+into it and dividing after the all-reduce took three). Each range holds a multiple of N_d
+elements, so on the ring the bytes are exactly one ring all-reduce of padded Psi. Stage 1
 reduce-scatters the flat gradient once after backward, which leaves the average in the own
 shard (the other shards hold partial sums, unused). Stage 2 never holds the full
 gradient: as DeepSpeed's ZeRO-2 with ``overlap_comm``, it reduce-scatters the gradients during
@@ -97,7 +104,7 @@ import torch
 from parlab import _checks, collectives, p2p, trace
 from parlab.flat import FlatLayout
 from parlab.memory import measure_model_state
-from parlab.zero.buckets import AllReduceBuckets, GradientBuckets
+from parlab.zero.buckets import FIRST_BUCKET_MB, AllReduceBuckets, GradientBuckets
 
 STAGES = (0, 1, 2)
 
@@ -117,7 +124,8 @@ class ZeroDP(torch.nn.Module):
     engine like the model, then ``step()`` after ``loss.backward()``, and ``zero_grad()`` on the
     engine (not on the model: module gradients are views into the engine's flat buffer).
     ``bucket_cap_mb`` (stages 0 and 2, default 25 MiB): the largest bucket of gradients
-    all-reduced (stage 0) or reduce-scattered (stage 2) together during backward.
+    all-reduced (stage 0) or reduce-scattered (stage 2) together during backward; at stage 0
+    the default also makes the first bucket 1 MiB, as torch's DDP.
     ``offload=True`` (stages 1, 2; ZeRO-Offload): the optimizer's shard and state live in host
     memory (section "Offload" above). Wrap a model once: the engine's gradient hooks stay on
     its parameters (at stages 0 and 2 they launch the buckets' collectives). With ``group``,
@@ -145,6 +153,7 @@ class ZeroDP(torch.nn.Module):
         if offload not in (True, False) or (offload and stage == 0):
             raise ValueError(f"offload=True moves this rank's shard of the optimizer state to the host: it needs "
                              f"stage 1 or 2 (got stage={stage}, offload={offload!r}); pass True or False.")
+        first_bucket_mb = FIRST_BUCKET_MB if bucket_cap_mb is None else None  # torch DDP's, with its default cap
         bucket_cap_mb = _checks.real_number(
             "bucket_cap_mb (the size of a bucket in MiB)", 25 if bucket_cap_mb is None else bucket_cap_mb,
             "a bucket must hold something: pass a number of MiB such as 25 (math.inf: one bucket).", above=True,
@@ -183,10 +192,11 @@ class ZeroDP(torch.nn.Module):
             self.buckets = GradientBuckets(self.trainable, self.layout, bucket_cap_mb, self._measure_gradients, group)
         else:
             self._attach_gradient_buffer()
+            if stage == 0:  # its hooks first: a gradient is in the flat buffer when it is measured
+                self.buckets = AllReduceBuckets(self.trainable, self.layout, self.flat_grad, bucket_cap_mb,
+                                                first_bucket_mb, group)
             for p in self.trainable:
                 p.register_post_accumulate_grad_hook(lambda p: self._measure_gradients())
-            if stage == 0:
-                self.buckets = AllReduceBuckets(self.trainable, self.layout, self.flat_grad, bucket_cap_mb, group)
 
     def extra_repr(self):
         return f"stage={self.stage}, {self.layout}"
@@ -248,8 +258,8 @@ class ZeroDP(torch.nn.Module):
                 collectives.ring_reduce_scatter(self.flat_grad, op="avg", check=False, group=self.group)
                 averaged = self.layout.shard(self.flat_grad, self.rank)
         if self.stage == 0:
-            self._check_gradients()
             self.buckets.finish()  # its "all-reduce gradients" spans are the communication thread's
+            self._check_gradients()
             self.shard.grad = self.flat_grad
         elif self.offload:
             with trace.span("gradients to host"):
@@ -263,16 +273,16 @@ class ZeroDP(torch.nn.Module):
         self.synchronized, self.gather_pending = True, self.optimizer is None
 
     def zero_grad(self):
-        """Zero the gradients for the next step: stages 0, 1 zero the flat gradient buffer in
-        place (module gradients stay views into it); stage 2 drops its gradient shard. Starts
-        a new measurement of ``peak_gradient_bytes``."""
-        if self.stage == 2:
-            self.shard.grad = None
-            self.buckets.discard()
-        else:
-            if self.stage == 0:
-                self.buckets.discard()  # no all-reduce may write into the buffer once it is zeroed
+        """Zero the gradients for the next step: stage 1 zeroes the flat gradient buffer in
+        place (module gradients stay views into it); stage 0 sets the module gradients to None
+        (backward's next gradients are divided into their views); stage 2 drops its gradient
+        shard. Starts a new measurement of ``peak_gradient_bytes``."""
+        if self.stage == 1:
             self.flat_grad.zero_()
+        else:
+            self.buckets.discard()  # waits for the collectives in flight first
+            if self.stage == 2:
+                self.shard.grad = None
         self.peak_gradient_bytes, self.synchronized = 0, False
         self._measure_gradients()
 
