@@ -202,6 +202,8 @@ COMPUTE_COLOURS = {
     "sequence-parallel gradients": "yellowgreen",
     "parameters to device": "slategray",  # ZeRO's offload
     "gradients to host": "rosybrown",
+    "attention": "sienna",  # context parallelism's blocks (lecture 09)
+    "all-to-all": "darkorchid",  # Ulysses and the experts' dispatch and combine
 }
 # A send and an isend are one kind of transfer, and so are a recv and an irecv.
 COMM_COLOURS = {"send": "tab:red", "isend": "tab:red", "recv": "tab:purple", "irecv": "tab:purple",
