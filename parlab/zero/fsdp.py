@@ -103,10 +103,8 @@ class FSDP(nn.Module):
         if group is not None and strategy == "HYBRID_SHARD":
             raise ValueError("HYBRID_SHARD makes its shard and replicate groups from the whole world: drop group=, "
                              "or shard over the group with FULL_SHARD (a mesh with two data axes is hybrid sharding).")
-        N = dist.get_world_size(group)
-        if dist.get_rank(group) < 0:
-            raise ValueError(f"global rank {dist.get_rank()} is not in the group it passed: build FSDP only on the "
-                             "group's members (each rank passes the group it belongs to).")
+        _, N = _checks.place_in(group, "build FSDP only on the group's members (each rank passes the group it "
+                                       "belongs to).")
         S = _shard_group_size(strategy, N, shard_group_size)
         if mixed_precision not in (None, *LOW_PRECISION):
             raise ValueError(f"mixed_precision must be None, torch.bfloat16 or torch.float16, got {mixed_precision!r}.")
