@@ -16,7 +16,6 @@ from parlab.widgets.async_sgd import (
 )
 
 matplotlib.use("Agg")
-pytestmark = pytest.mark.timeout(60)
 
 
 def test_the_verdict_switches_at_the_cosine_threshold():

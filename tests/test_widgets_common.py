@@ -28,7 +28,6 @@ from parlab.widgets.pipeline import schedule_widget
 from parlab.widgets.zero_steps import zero_step_widget
 
 matplotlib.use("Agg")
-pytestmark = pytest.mark.timeout(60)
 
 
 class FakeCluster:
@@ -166,7 +165,6 @@ def test_a_rank_error_on_the_cluster_is_shown_with_its_traceback(make):
     assert "File &quot;&lt;cell&gt;&quot;, line 3" in message.value and bar.layout.display == "none"
 
 
-@pytest.mark.timeout(120)
 def test_a_cluster_closed_by_an_earlier_cell_is_replaced_by_one_of_the_same_size(monkeypatch):
     started = []
 

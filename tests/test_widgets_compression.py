@@ -66,7 +66,6 @@ def test_plot_curves_draws_loss_against_steps_and_wall_time():
     assert [list(line.get_xdata()) for line in by_time.lines] == [[0.1, 0.2, 0.3], [0.05, 0.1, 0.15]]
 
 
-@pytest.mark.timeout(120)
 def test_the_widget_redraws_on_its_controls_and_measures_on_the_cluster(cluster2):
     widget = compression_widget(cluster2, kind="top-k + EF", N=4, bandwidth=10e6)
     choice, fraction, rank, ranks, speed, measure_button, readout, feedback, image = widget.children

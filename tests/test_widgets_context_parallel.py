@@ -24,7 +24,6 @@ from parlab.widgets.context_parallel import (
 )
 
 matplotlib.use("Agg")
-pytestmark = pytest.mark.timeout(60)
 SETTINGS = [(cp, split, causal) for cp in (1, 2, 4, 8) for split in SPLITS for causal in (True, False)]
 
 

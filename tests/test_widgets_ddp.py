@@ -28,7 +28,6 @@ def bars(ax, row):
     return sorted(found)
 
 
-@pytest.mark.timeout(30)
 def test_plot_buckets_draws_one_bar_per_parameter_and_per_bucket_in_the_bucket_colours():
     ax = plot_buckets(three_layers(), 48 / MIB, N_D, ALPHA, BETA, backward_seconds=0.12)
     backward, all_reduce = bars(ax, "backward"), bars(ax, "all-reduce")
@@ -43,7 +42,6 @@ def test_plot_buckets_draws_one_bar_per_parameter_and_per_bucket_in_the_bucket_c
     assert shaded.get_path().transformed(shaded.get_patch_transform()).vertices[:, 0].min() == pytest.approx(120)
 
 
-@pytest.mark.timeout(30)
 def test_bucket_widget_redraws_and_updates_its_readout_on_a_slider_move():
     widget = bucket_widget(three_layers(), N_D, ALPHA, BETA, backward_seconds=0.12, bucket_cap_mb=1)
     slider, readout, feedback, image = widget.children
@@ -62,7 +60,6 @@ def sweep_rows():
             for cap, buckets, seconds in ((0.5, 8, 0.3), (2, 2, 0.2), (8, 1, 0.4))]
 
 
-@pytest.mark.timeout(30)
 def test_the_sweep_plot_puts_each_measured_cap_beside_the_model_with_its_buckets():
     ax = plot_bucket_sweep(sweep_rows(), [0.25, 0.2, 0.35])
     measured, model = ax.get_lines()

@@ -27,7 +27,6 @@ from parlab.widgets.experts import (
 )
 
 matplotlib.use("Agg")
-pytestmark = pytest.mark.timeout(60)
 SETTINGS = [(8, 2, 4, 1.25, 0.0), (8, 1, 2, 1.0, 2.0), (16, 2, 8, 1.0, 3.0), (4, 2, 1, 0.5, 0.0)]  # E k ep cf skew
 
 
@@ -84,7 +83,6 @@ def dispatch_on_ranks(E, k, cf, skew, T, h, seed):
         dispatch(torch.randn(T, h), routing)
 
 
-@pytest.mark.timeout(120)
 def test_the_matrix_is_what_a_real_dispatch_sends(cluster2):
     timeline = cluster2.trace(dispatch_on_ranks, 8, 2, 1.0, 2.0, 32, 16, 7, timeout=60).window("dispatch", 0)
     numbers = routing_numbers(8, 2, 2, 1.0, 2.0, T=32, h=16, seed=7)

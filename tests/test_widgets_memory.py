@@ -167,7 +167,6 @@ def test_measure_stages_rejects_a_stage_that_is_not_zero():
 
 
 @needs_engines
-@pytest.mark.timeout(60)
 def test_measured_stages_on_two_ranks_match_the_formula(cluster2):
     measured = measure_stages(cluster2)
     assert sum(p.numel() for p in small_model().parameters()) == SMALL_PSI
@@ -181,7 +180,6 @@ def test_measured_stages_on_two_ranks_match_the_formula(cluster2):
 
 
 @needs_engines
-@pytest.mark.timeout(60)
 def test_the_widget_button_measures_and_overlays(cluster2, monkeypatch):
     import parlab.widgets.memory as module
 

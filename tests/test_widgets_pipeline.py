@@ -23,7 +23,6 @@ from parlab.widgets.pipeline import (
 )
 
 matplotlib.use("Agg")
-pytestmark = pytest.mark.timeout(60)
 
 
 # --- the plain functions -------------------------------------------------------------------------

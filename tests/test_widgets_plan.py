@@ -156,7 +156,6 @@ def run_controls(widget):
     return widget.children[0].children[0], widget.children[3].children[0], to_run, run, measured
 
 
-@pytest.mark.timeout(180)
 def test_run_this_plan_measures_the_chosen_plan_of_the_small_gpt():
     widget = plan_widget(model="small GPT", B=512, nodes=1)
     chosen, status, to_run, run, measured = run_controls(widget)

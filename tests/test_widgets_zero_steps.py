@@ -96,7 +96,6 @@ def test_learner_errors():
         zero_step_widget(n_d=9)
 
 
-@pytest.mark.timeout(60)
 def test_the_last_phase_is_what_the_engines_hold_at_rest_on_two_ranks(cluster2):
     """After a step, ZeroDP (stages 0-2) and FSDP (stage 3) hold 4 bytes per parameter and per
     gradient element of each shard the last phase draws, 8 per optimizer-state element
@@ -156,7 +155,6 @@ def test_plot_zero_steps_draws_every_phase():
     assert len(figure.axes) == 6 and not figure.axes[5].axison  # 5 panels, two a row
 
 
-@pytest.mark.timeout(60)
 def test_the_widget_answers_its_controls():
     widget = zero_step_widget(n_d=2)
     (stage, phase), image = widget.children[0].children, widget.children[-1]
