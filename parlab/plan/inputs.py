@@ -2,7 +2,8 @@
 dataclass that refuses a size it cannot plan with (ValueError saying what to change).
 
 Symbols (the glossary's): Psi parameters, L layers, h hidden size, a heads, s sequence
-length, V vocabulary; B global batch, b micro-batch; alpha and beta of a ``parlab.Link``.
+length, V vocabulary; E experts per MoE layer and k of them per token (lecture 09); B global
+batch, b micro-batch; alpha and beta of a ``parlab.Link``.
 
 Presets, with what they leave out:
 
@@ -12,6 +13,11 @@ Presets, with what they leave out:
 - ``Model.llama2_70b()``: L = 80, h = 8192, a = 64, s = 4096, V = 32000, Psi = 68,976,648,192
   (LLaMA-2-70B's count). Its grouped-query attention (8 key/value heads) is ignored outside
   Psi: activations and tensor-parallel messages are those of a layers with a full heads;
+- ``Model.mixtral_8x7b()``: Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", Table 1:
+  dim 4096, 32 layers, 32 heads of 128 with 8 key/value heads, hidden_dim 14336, vocab 32000,
+  8 experts, top-2, context 32768): every layer's MLP is E = 8 SwiGLU experts of 3 x 4096 x
+  14336 weights, 45,097,156,608 expert parameters in all, and Psi = 46,702,792,704 with the
+  attention (GQA, counted in Psi only, as for the 70B), routers, norms and untied embeddings;
 - ``Hardware.dgx_a100(nodes)``: nodes of 8 A100 80 GB (80 GiB each), 312e12 FLOP/s in bf16,
   NVLink inside a node (5 us + bytes / 300 GB/s, per direction) and one 200 Gb/s InfiniBand
   port per GPU between nodes (10 us + bytes / 25 GB/s): the machines of Narayanan et al.
@@ -40,7 +46,9 @@ HOST_MEMORY = 32 * 64 * GIB  # a DGX A100 640GB's 2 TB: 32 DIMMs of 64 GiB (modu
 @dataclass(frozen=True)
 class Model:
     """A transformer: ``psi`` parameters (Psi) in ``L`` layers of hidden size ``h`` and ``a``
-    heads, trained on sequences of ``s`` tokens from a vocabulary of ``V``."""
+    heads, trained on sequences of ``s`` tokens from a vocabulary of ``V``. A mixture of
+    experts (lecture 09) has ``E`` > 1 experts in every layer's MLP, ``k`` of them per token,
+    and ``expert_psi`` of its Psi parameters in the experts (all layers, all experts)."""
 
     name: str
     psi: int
@@ -49,6 +57,9 @@ class Model:
     a: int
     s: int
     V: int
+    E: int = 1
+    k: int = 1
+    expert_psi: int = 0
 
     def __post_init__(self):
         whole_number("psi (Psi, the number of parameters)", self.psi,
@@ -59,6 +70,20 @@ class Model:
         if self.h % self.a:
             raise ValueError(f"h = {self.h} does not split into a = {self.a} heads of h / a features: "
                              "choose h a multiple of a.")
+        whole_number("E (experts per MoE layer)", self.E, "give 1 for a dense model, or a layer's experts, e.g. 8.")
+        whole_number("k (experts per token)", self.k, "give how many experts each token goes to, e.g. 2.")
+        whole_number("expert_psi (the experts' parameters)", self.expert_psi, "give 0 for a dense model, or "
+                     "the parameters of all experts of all layers.", minimum=0)
+        if self.k > self.E:
+            raise ValueError(f"k = {self.k} experts per token, but a layer has only E = {self.E}: choose k <= E.")
+        if (self.E > 1) != (self.expert_psi > 0) or self.expert_psi >= self.psi:
+            raise ValueError(f"expert_psi = {self.expert_psi:,} with E = {self.E} and Psi = {self.psi:,}: a mixture of "
+                             "experts (E > 1) has expert parameters, fewer than Psi; a dense model (E = 1) has none.")
+
+    @property
+    def active_psi(self):
+        """The parameters one token passes through: the dense ones and k of every E experts."""
+        return self.psi - self.expert_psi + self.expert_psi * self.k / self.E
 
     @classmethod
     def from_module(cls, module, L, h, a, s, V, name=None):
@@ -85,6 +110,14 @@ class Model:
     @classmethod
     def llama2_70b(cls):
         return cls("70B (LLaMA-2-like, GQA ignored)", 68_976_648_192, L=80, h=8192, a=64, s=4096, V=32000)
+
+    @classmethod
+    def mixtral_8x7b(cls):
+        experts = 32 * 8 * 3 * 4096 * 14336  # layers x experts x a SwiGLU MLP's three matrices
+        attention = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024)  # q and o; k and v of the 8 key/value heads
+        rest = 32 * 8 * 4096 + (2 * 32 + 1) * 4096 + 2 * 32000 * 4096  # routers, norms, embedding and head
+        return cls("Mixtral 8x7B (GQA ignored)", experts + attention + rest, L=32, h=4096, a=32, s=32768, V=32000,
+                   E=8, k=2, expert_psi=experts)
 
 
 @dataclass(frozen=True)
