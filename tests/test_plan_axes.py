@@ -142,7 +142,7 @@ def test_a_label_and_a_plan_say_their_axes():
 
 def test_at_32k_tokens_cp_lets_the_70b_keep_its_activations_instead_of_recomputing():
     without = [p for p in plans(LONG, Batch(128), SIXTY_FOUR_NODES) if not p.rejected]
-    assert without[0].recompute == "full" and not any(p.recompute == "selective" for p in without[:20])
+    assert without and {p.recompute for p in without} == {"full"}  # nothing else fits at t <= 8
     every = plans(LONG, Batch(128), SIXTY_FOUR_NODES, cp=(1, 2, 4, 8))
     best = every[0]
     assert best.cp > 1 and best.recompute == "selective" and best.time.context == 0
