@@ -125,6 +125,21 @@ def broadcast(tensor, src, group=None):
     return tensor
 
 
+def broadcast_from_first(tensors, group=None):
+    """Overwrite each of ``tensors`` with the copy of ``group``'s first rank (one traced
+    "broadcast" each): how the engines start their replicas from one rank's values."""
+    first = global_rank(group, 0)
+    for tensor in tensors:
+        broadcast(tensor, src=first, group=group)
+
+
+def global_rank(group, group_rank):
+    """The global rank (what p2p addresses) of ``group``'s rank ``group_rank``, taken mod the
+    group's size (None: the world, whose ranks are global)."""
+    group_rank %= dist.get_world_size(group)
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
 def wait_all(requests):
     """Wait for every request, in order; returns their tensors."""
     return [request.wait() for request in requests]

@@ -19,12 +19,6 @@ MAX_DIMS = 8
 _REDUCE_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max", dist.ReduceOp.MIN: "min"}
 
 
-def _global(group, group_rank):
-    """The global rank (what p2p addresses) of ``group``'s rank ``group_rank`` mod its size."""
-    group_rank %= dist.get_world_size(group)
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
-
-
 def _exchange(outgoing, dst, incoming, src):
     """Send ``outgoing`` to ``dst`` while receiving ``incoming`` from ``src``. Starting the
     send with isend lets both directions overlap, and no ring deadlocks with every rank

@@ -33,7 +33,7 @@ import torch
 
 from parlab import p2p
 from parlab._checks import place_in, whole_number
-from parlab.collectives._common import _global
+from parlab.p2p import global_rank
 
 # Its own tag: an all-to-all between two ranks must not match a ring collective's message
 # (tag 0) or ring attention's K/V and gradient streams (tags 1 and 2) posted at the same time.
@@ -86,9 +86,9 @@ def all_to_all(x, output_splits=None, input_splits=None, group=None, ops=P2P_OPS
     for step in all_to_all_steps(N):  # post every step's messages, then wait: no rank blocks another
         to, source = step.send_to[r], step.receive_from[r]
         if chunks[to].numel():
-            requests.append(p2p.isend(chunks[to], _global(group, to), ALL_TO_ALL_TAG, op=send_op))
+            requests.append(p2p.isend(chunks[to], global_rank(group, to), ALL_TO_ALL_TAG, op=send_op))
         if received[source].numel():
-            requests.append(p2p.irecv(received[source], _global(group, source), ALL_TO_ALL_TAG, op=receive_op))
+            requests.append(p2p.irecv(received[source], global_rank(group, source), ALL_TO_ALL_TAG, op=receive_op))
     p2p.wait_all(requests)
     return out
 

@@ -18,10 +18,10 @@ from parlab.collectives._common import (
     _average,
     _check_locally,
     _exchange,
-    _global,
     _reduce,
     _scratch,
 )
+from parlab.p2p import global_rank
 
 _RECORD = 5 + MAX_DIMS  # collective, op, root, dtype, ndim, then the shape padded with zeros
 METADATA_BYTES = 8 * _RECORD  # one int64 record per rank
@@ -91,7 +91,7 @@ def ring_reduce_scatter(tensor, op="sum", check=True, group=None, parts=None):
     rank, N = dist.get_rank(group), dist.get_world_size(group)
     chunks = ring_chunks(flat, group) if parts is None else _parts(flat, parts, N)
     incoming = _scratch(flat, max(chunk.numel() for chunk in chunks))
-    right, left = _global(group, rank + 1), _global(group, rank - 1)
+    right, left = global_rank(group, rank + 1), global_rank(group, rank - 1)
     for step in ring_steps(N, "reduce-scatter"):
         sent, received = chunks[step.send[rank]], chunks[step.receive[rank]]
         buffer = incoming[: received.numel()]
@@ -111,7 +111,7 @@ def ring_all_gather(tensor, check=True, group=None):
     flat, _ = _prepare("ring_all_gather", tensor, None, None, check, group)
     rank, N = dist.get_rank(group), dist.get_world_size(group)
     chunks = ring_chunks(flat, group)
-    right, left = _global(group, rank + 1), _global(group, rank - 1)
+    right, left = global_rank(group, rank + 1), global_rank(group, rank - 1)
     for step in ring_steps(N, "all-gather"):
         _exchange(chunks[step.send[rank]], right, chunks[step.receive[rank]], left)
     return tensor

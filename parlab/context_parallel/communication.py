@@ -12,11 +12,11 @@ so ``cluster.trace`` counts every byte and an emulated link shapes every message
 """
 
 import torch
-import torch.distributed as dist
 
 from parlab import collectives, trace
 from parlab._checks import place_in
 from parlab.collectives import ring_all_gather, ring_reduce_scatter
+from parlab.p2p import global_rank
 
 
 def place_in_cp_group(group):
@@ -25,14 +25,9 @@ def place_in_cp_group(group):
                            "that group.")
 
 
-def global_rank(group, group_rank):
-    """The global rank (what p2p addresses) of ``group``'s rank ``group_rank`` (None: the world)."""
-    return group_rank if group is None else dist.get_global_rank(group, group_rank)
-
-
 def ring_neighbours(group, r, cp):
     """(right, left): the global ranks of group ranks r + 1 and r - 1 (mod cp)."""
-    return global_rank(group, (r + 1) % cp), global_rank(group, (r - 1) % cp)
+    return global_rank(group, r + 1), global_rank(group, r - 1)
 
 
 def gather_blocks(block, group=None):

@@ -170,7 +170,7 @@ class DDP(torch.nn.Module):
         self.group = group
         _, self.world_size = place_in(group, "build DDP only on the group's members (each rank passes the group it "
                                              "belongs to).")
-        _broadcast_from_first([*module.parameters(), *module.buffers()], group)
+        p2p.broadcast_from_first([*module.parameters(), *module.buffers()], group)
 
         cap_mb, during_backward = VARIANTS[variant]
         sizes = [p.numel() * p.element_size() for p in self.parameters_to_sync]
@@ -190,7 +190,7 @@ class DDP(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         if self.broadcast_buffers:
-            _broadcast_from_first(list(self.module.buffers()), self.group)
+            p2p.broadcast_from_first(list(self.module.buffers()), self.group)
         with trace.span("forward"):
             return self.module(*args, **kwargs)
 
@@ -337,9 +337,3 @@ def regime_all_reduce(group=None, async_op=False, ring_when_traced=False):
     return functools.partial(dist.all_reduce, async_op=async_op, group=group)
 
 
-def _broadcast_from_first(tensors, group):
-    """Overwrite each tensor with the copy of the group's first rank (traced: one
-    "broadcast" event each)."""
-    first = 0 if group is None else dist.get_global_rank(group, 0)
-    for tensor in tensors:
-        p2p.broadcast(tensor, src=first, group=group)

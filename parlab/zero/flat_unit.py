@@ -57,8 +57,7 @@ class FlatUnit:
         self.sync_gradients = True  # False inside FSDP.no_sync
         self.prefetched = None  # the handle of its all-gather started ahead on the communication thread
         flat = self.layout.flatten([p.detach() for p in plan.parameters], torch.float32, device)
-        first = 0 if everyone is None else dist.get_global_rank(everyone, 0)
-        p2p.broadcast(flat, src=first, group=everyone)  # the replicas start from the first rank's values
+        p2p.broadcast_from_first([flat], everyone)  # the replicas start from the first rank's values
         mine = self.layout.shard(flat, self.rank).to(shard_device, copy=True)
         self.shard = nn.Parameter(mine)
         if S == 1 and compute_dtype == torch.float32 and shard_device == device:

@@ -136,9 +136,7 @@ class FSDP(nn.Module):
         if any(buffer.is_meta for buffer in model.buffers()):
             raise ValueError("buffers of modules without parameters stay on the meta device: create them "
                              "on a real device, or give them to a module that has parameters.")
-        first = 0 if group is None else dist.get_global_rank(group, 0)
-        for buffer in model.buffers():
-            p2p.broadcast(buffer, src=first, group=group)
+        p2p.broadcast_from_first(list(model.buffers()), group)
         self.mixed_precision, self.prefetch = mixed_precision, prefetch
         self.shards = nn.ParameterList([unit.shard for unit in self.units])
         self.optimizer = None if optimizer_class is None else optimizer_class(list(self.shards), **optimizer_kwargs)

@@ -22,7 +22,7 @@ import torch
 
 from parlab import _checks, collectives, p2p, trace
 from parlab.flat import FlatLayout
-from parlab.zero.stages import _global_rank, _place_in
+from parlab.zero.stages import _place_in
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -68,7 +68,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for g in self.param_groups:
             layout = FlatLayout([p.shape for p in g["params"]], self.world_size)
             flat = layout.flatten([p.detach() for p in g["params"]])
-            p2p.broadcast(flat, src=_global_rank(group, 0), group=group)  # the replicas start from rank 0's values
+            p2p.broadcast_from_first([flat], group)  # the replicas start from rank 0's values
             with torch.no_grad():
                 for p, view in zip(g["params"], layout.views(flat)):
                     p.data = view  # the parameter now lives in the flat buffer: the all-gather writes into it

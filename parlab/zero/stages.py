@@ -169,8 +169,7 @@ class ZeroDP(torch.nn.Module):
         self.layout = FlatLayout([p.shape for p in self.trainable], self.world_size)
 
         self.flat_param = self.layout.flatten([p.detach() for p in self.trainable])
-        for tensor in [self.flat_param, *self.unsharded_tensors().values()]:
-            p2p.broadcast(tensor, src=_global_rank(group, 0), group=group)  # the replicas start from rank 0's values
+        p2p.broadcast_from_first([self.flat_param, *self.unsharded_tensors().values()], group)  # rank 0's values
         with torch.no_grad():
             for p, view in zip(self.trainable, self.layout.views(self.flat_param)):
                 p.data = view  # the module now computes with the flat buffer
@@ -367,5 +366,3 @@ def _place_in(group):
     return rank, torch.distributed.get_world_size(group)
 
 
-def _global_rank(group, rank):
-    return rank if group is None else torch.distributed.get_global_rank(group, rank)
