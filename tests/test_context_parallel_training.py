@@ -226,7 +226,7 @@ def learner_mistakes():
                 attempt(mesh)
             except ValueError as error:
                 messages.append(str(error))
-    with parlab.Mesh(tp=2, cp=2) as mesh:
+    with parlab.Mesh(pp=2, cp=2) as mesh:
         try:
             ContextParallelTrainer(GPT(CONFIG), mesh)
         except ValueError as error:
@@ -244,4 +244,4 @@ def test_learner_mistakes_say_what_to_change(cluster4):
         assert "build it with GPTConfig(dropout=0.0)" in dropout
         assert "a batch of 7 sequences does not split over dp = 2 replicas" in batch
         assert "zigzag split cuts s = 10 positions into 2 cp = 4 chunks" in sequence
-        assert "this mesh has tp = 2: build it with dp and cp only" in mesh
+        assert "this mesh has pp = 2: build it with dp, cp and tp only" in mesh

@@ -15,7 +15,7 @@ every rank the same causal work (``block_pairs``, ``load_imbalance``). Where eac
 (positions, the plan ``block_task``, load balance), ``communication.py`` (all-gather and
 all-to-all as autograd functions), one module per method, ``costs.py`` (bytes), and the small
 GPT trained this way: ``gpt.py`` (``ContextParallelGPT``) and ``training.py``
-(``ContextParallelTrainer`` on a mesh's cp x dp ranks).
+(``ContextParallelTrainer`` on a mesh's cp x dp ranks, with tp: cp x tp x dp).
 Symbols are the glossary's; cp is the context-parallel degree, the size of ``group``.
 """
 

@@ -40,7 +40,7 @@ from parlab.context_parallel.ring import ring_attention
 from parlab.context_parallel.splits import _check_split, sequence_indices
 from parlab.gpt import GPT
 
-__all__ = ["ContextParallelAttention", "ContextParallelGPT"]
+__all__ = ["ContextParallelAttention", "ContextParallelGPT", "check_attention"]
 
 
 class ContextParallelAttention(nn.Module):
@@ -75,13 +75,8 @@ class ContextParallelGPT(nn.Module):
         super().__init__()
         if not isinstance(model, GPT):
             raise ValueError(f"ContextParallelGPT splits a parlab.gpt.GPT, got {type(model).__name__}.")
-        if not callable(attention):
-            raise ValueError(f"attention must be a function such as ring_attention (ATTENTION[method]), got "
-                             f"{attention!r}: pass one of parlab.context_parallel's methods.")
+        check_attention(attention, model.config.dropout)
         _check_split(split)
-        if model.config.dropout:
-            raise ValueError(f"context-parallel attention drops no probabilities, but the GPT has dropout = "
-                             f"{model.config.dropout}: build it with GPTConfig(dropout=0.0).")
         self.rank, self.cp = place_in_cp_group(group)
         self.config, self.group, self.split = model.config, group, split
         # the GPT's modules under the GPT's names, so that parameters and gradients compare by name
@@ -112,3 +107,14 @@ class ContextParallelGPT(nn.Module):
         logits = self(tokens)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / tokens_in_batch
 
+
+def check_attention(attention, dropout):
+    """A ValueError saying what to change unless ``attention`` is a function and the GPT's
+    ``dropout`` is 0: what a context-parallel GPT (this one, or ``ParallelGPT`` with a
+    ``context_group``) needs."""
+    if not callable(attention):
+        raise ValueError(f"attention must be a function such as ring_attention (ATTENTION[method]), got "
+                         f"{attention!r}: pass one of parlab.context_parallel's methods.")
+    if dropout:
+        raise ValueError(f"context-parallel attention drops no probabilities, but the GPT has dropout = "
+                         f"{dropout}: build it with GPTConfig(dropout=0.0).")

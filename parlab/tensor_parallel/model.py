@@ -41,6 +41,24 @@ puts tensor-parallel layers inside pipeline stages, as Megatron-LM): layers i L/
 other layers' places hold nothing, so the parameters keep the whole model's names. ``forward``
 takes the tokens on stage 0 and the previous stage's output elsewhere, and returns the logits
 on the last stage and its activation, (b, s, h) or (b, s/t, h), on the others.
+
+Context parallelism beside it, ``context_group`` (cp ranks, on a mesh ``mesh.group("cp")``;
+lecture 09, ``parlab.context_parallel``): every rank of a tp group holds the same s/cp
+positions of each sequence (``split``, zig-zag by default) and its a/t heads. Everything but
+attention acts on one position at a time, so the layer above runs as it is on (b, s/cp, h),
+or (b, s/(cp t), h) with sequence parallelism, its tp collectives in the tp group; the
+embedding adds the position embeddings of the rank's positions (``sequence_indices``), and
+the attention core takes the other positions' keys and values from the cp group:
+
+    q, k, v (b, s/cp, h/t) -> (b, a/t, s/cp, h/a)                    heads split out
+    y = attention(q, k, v, causal=True, split, group=context_group)  the cp messages
+    y (b, a/t, s/cp, h/a) -> (b, s/cp, h/t)                          into RowParallel(proj)
+
+so a rank's ring carries K/V blocks of h/t features a position: 1/t of the cp-only GPT's.
+``loss`` with cp is the sum of the rank's cross-entropies over ``tokens_in_batch`` tokens,
+so that the gradients summed over the cp (and dp) ranks are the batch mean's. Dropout and
+selective recompute are refused with cp (the cp attentions drop no probabilities, and
+replace the core that ``recompute_attention`` checkpoints); so are pipeline stages.
 """
 
 import copy
@@ -53,6 +71,9 @@ from torch.utils.checkpoint import checkpoint
 
 from parlab import trace
 from parlab.collectives import ring_all_reduce
+from parlab.context_parallel.gpt import check_attention
+from parlab.context_parallel.ring import ring_attention
+from parlab.context_parallel.splits import sequence_indices
 from parlab.gpt import GPT, causal_attention
 from parlab.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -67,9 +88,12 @@ __all__ = ["ParallelGPT", "ParallelMLP", "ParallelAttention"]
 class ParallelAttention(nn.Module):
     """``parlab.gpt.CausalSelfAttention`` on a/t heads: query, key and value in one
     column-parallel layer (one f for the three), proj row-parallel; with
-    ``recompute_attention`` the core between them is recomputed in backward (module docstring)."""
+    ``recompute_attention`` the core between them is recomputed in backward; with a
+    ``context_group`` of cp > 1 ranks the core is ``attend`` (``ring_attention``) over it, on
+    the rank's positions (module docstring)."""
 
-    def __init__(self, attention, group=None, sequence_parallel=False, recompute_attention=False):
+    def __init__(self, attention, group=None, sequence_parallel=False, recompute_attention=False,
+                 context_group=None, attend=ring_attention, split="zigzag"):
         super().__init__()
         heads, t = attention.query.out_features // attention.head_size, dist.get_world_size(group)
         if heads % t:
@@ -77,12 +101,23 @@ class ParallelAttention(nn.Module):
                              "choose a multiple of t heads.")
         self.head_size, self.dropout = attention.head_size, attention.dropout
         self.recompute_attention = recompute_attention
+        self.context_group, self.attend, self.split = _context(context_group), attend, split
+        if self.context_group is not None:
+            check_attention(attend, self.dropout)
+            if recompute_attention:
+                raise ValueError("recompute_attention checkpoints the written-out attention core, which context "
+                                 "parallelism replaces (ring attention recomputes its blocks in backward anyway): "
+                                 "leave recompute_attention=False, or recompute whole layers with "
+                                 "recompute_layers=True.")
         self.register_buffer("causal_bias", attention.causal_bias.clone(), persistent=False)
         self.qkv = ColumnParallelLinear([attention.query, attention.key, attention.value], group, sequence_parallel)
         self.proj = RowParallelLinear(attention.proj, group, sequence_parallel)
 
     def forward(self, n):
-        q, k, v = self.qkv(n).chunk(3, dim=-1)  # (b, s, h/t) each
+        q, k, v = self.qkv(n).chunk(3, dim=-1)  # (b, s, h/t) each; with cp (b, s/cp, h/t)
+        if self.context_group is not None:
+            return self.proj(context_parallel_attention(q, k, v, self.head_size, self.attend, self.split,
+                                                        self.context_group))
         core = (q, k, v, self.head_size, self.causal_bias, self.dropout, self.training)
         if self.recompute_attention:  # keeps q, k, v; its forward runs again in backward, same RNG state
             y = checkpoint(causal_attention, *core, use_reentrant=True)
@@ -104,14 +139,16 @@ class ParallelMLP(nn.Module):
 
 
 class ParallelBlock(nn.Module):
-    def __init__(self, block, group=None, sequence_parallel=False, recompute_attention=False):
+    """One layer (module docstring); ``context``: ``ParallelAttention``'s context-parallel options."""
+
+    def __init__(self, block, group=None, sequence_parallel=False, recompute_attention=False, **context):
         super().__init__()
         self.norm1, self.norm2 = copy.deepcopy(block.norm1), copy.deepcopy(block.norm2)
-        self.attention = ParallelAttention(block.attention, group, sequence_parallel, recompute_attention)
+        self.attention = ParallelAttention(block.attention, group, sequence_parallel, recompute_attention, **context)
         self.mlp = ParallelMLP(block.mlp, group, sequence_parallel)
         self.dropout = block.dropout
 
-    def forward(self, x):  # x: (b, s, h), or (b, s/t, h) with sequence parallelism
+    def forward(self, x):  # x: (b, s, h), or (b, s/t, h) with sequence parallelism; s/cp for s with cp
         x = x + F.dropout(self.attention(self.norm1(x)), self.dropout, self.training)
         return x + F.dropout(self.mlp(self.norm2(x)), self.dropout, self.training)
 
@@ -123,34 +160,46 @@ class ParallelGPT(nn.Module):
     model's, computed without gathering the logits (``parallel_cross_entropy``). Every rank
     of the group passes the same tokens. ``recompute_attention``: selective recompute in
     every layer; ``recompute_layers``: full recompute; ``stage=(i, K)``: pipeline stage i of
-    K (module docstring)."""
+    K. ``context_group``: the cp ranks that split each sequence (None: no context
+    parallelism); then ``tokens`` are this rank's (b, s/cp) positions, cut by ``split``
+    (``shard_sequence(tokens, cp, r, split, dim=1)``), the logits (b, s/cp, V/t), and
+    ``attention`` the cp attention (``ring_attention``, or any of
+    ``parlab.context_parallel.ATTENTION``) (module docstring)."""
 
     def __init__(self, model, group=None, sequence_parallel=False, recompute_attention=False, recompute_layers=False,
-                 stage=(0, 1)):
+                 stage=(0, 1), context_group=None, attention=ring_attention, split="zigzag"):
         super().__init__()
         if not isinstance(model, GPT):
             raise ValueError(f"ParallelGPT splits a parlab.gpt.GPT, got {type(model).__name__}.")
         t, (i, K), L = dist.get_world_size(group), stage, model.config.L
-        if sequence_parallel and model.config.s % t:
-            raise ValueError(f"sequence parallelism cuts s = {model.config.s} positions into t = {t} parts: choose s "
-                             f"a multiple of {t}.")
+        self.context_group, self.split = _context(context_group), split
+        self.cp = 1 if self.context_group is None else dist.get_world_size(self.context_group)
+        parts = f"cp x t = {self.cp} x {t}" if self.cp > 1 else f"t = {t}"
+        if sequence_parallel and model.config.s % (self.cp * t):
+            raise ValueError(f"sequence parallelism cuts s = {model.config.s} positions into {parts} parts: choose s "
+                             f"a multiple of {self.cp * t}.")
         if not 0 <= i < K or L % K:
             raise ValueError(f"stage={stage!r}: a pipeline of K stages cuts the L = {L} layers evenly, stage i "
                              f"holding L/K of them: choose K dividing {L} and 0 <= i < K.")
+        if self.cp > 1 and K > 1:
+            raise ValueError(f"with a context_group of cp = {self.cp} ranks ParallelGPT holds the whole model, not "
+                             f"pipeline stage {stage!r}: pass stage=(0, 1), or train stages without cp "
+                             "(parlab.mesh_training on dp, tp and pp).")
         self.config, self.group, self.sequence_parallel = model.config, group, sequence_parallel
         self.first, self.last, self.recompute_layers = i == 0, i == K - 1, recompute_layers
         self.token_embedding = VocabParallelEmbedding(model.token_embedding, group, sequence_parallel) \
             if self.first else None
         self.position_embedding = copy.deepcopy(model.position_embedding) if self.first else None
         mine = range(i * L // K, (i + 1) * L // K)
-        self.blocks = nn.ModuleList(ParallelBlock(block, group, sequence_parallel, recompute_attention)
+        context = dict(context_group=self.context_group, attend=attention, split=split)
+        self.blocks = nn.ModuleList(ParallelBlock(block, group, sequence_parallel, recompute_attention, **context)
                                     if j in mine else nn.Identity() for j, block in enumerate(model.blocks))
         self.layers = [self.blocks[j] for j in mine]
         self.final_norm = copy.deepcopy(model.final_norm) if self.last else None
         self.head = ColumnParallelLinear(model.head, group, sequence_parallel) if self.last else None  # V/t logits
 
     def forward(self, tokens):
-        x = self.embed(tokens) if self.first else tokens  # (b, s, h), or (b, s/t, h)
+        x = self.embed(tokens) if self.first else tokens  # (b, s, h), or (b, s/t, h); s/cp for s with cp
         for block in self.layers:
             x = checkpoint(block, x, use_reentrant=False) if self.recompute_layers else block(x)
         if not self.last:
@@ -158,15 +207,31 @@ class ParallelGPT(nn.Module):
         return self.head(self.final_norm(x))  # f (or the all-gather along s), then (b, s, V/t)
 
     def embed(self, tokens):
-        """Token and position embeddings of ``tokens``: (b, s, h), or this rank's (b, s/t, h)."""
-        s = tokens.shape[1]
-        positions = self.position_embedding.weight[:s]  # (s, h)
+        """Token and position embeddings of ``tokens``: (b, s, h), or this rank's (b, s/t, h);
+        with cp, ``tokens`` (b, s/cp) are this rank's positions, and s/cp takes the place of s."""
+        n = tokens.shape[1]
+        if n * self.cp > self.config.s:
+            raise ValueError(f"a sequence of {n * self.cp} tokens is longer than the model's s = {self.config.s}: "
+                             "cut it, or build the model with a larger GPTConfig.s.")
+        if self.context_group is None:
+            positions = self.position_embedding.weight[:n]  # (s, h)
+        else:  # this rank's positions of the whole sequence of cp n, as parlab.context_parallel cuts it
+            mine = sequence_indices(n * self.cp, self.cp, dist.get_rank(self.context_group), self.split)
+            positions = self.position_embedding.weight[mine.to(tokens.device)]  # (s/cp, h)
         if self.sequence_parallel:
             positions = positions.chunk(dist.get_world_size(self.group))[dist.get_rank(self.group)]  # (s/t, h)
         return self.token_embedding(tokens) + positions
 
-    def loss(self, tokens, targets):
-        return parallel_cross_entropy(self(tokens), targets, self.group)
+    def loss(self, tokens, targets, tokens_in_batch=None):
+        """The sum of the cross-entropies of this rank's ``targets`` ((b, s), or (b, s/cp) with
+        cp) divided by ``tokens_in_batch``; by default the b sequences' tokens, b s: their mean,
+        or with cp this rank's share of it (the cp ranks' losses sum to the mean). A trainer
+        passes all the tokens of its step, so that the gradients summed over the data axes
+        are the batch mean's."""
+        count = targets.numel()
+        total = count * self.cp if tokens_in_batch is None else tokens_in_batch
+        mean = parallel_cross_entropy(self(tokens), targets, self.group)  # over this rank's count tokens
+        return mean if total == count else mean * (count / total)  # its sum of cross-entropies / total
 
     def replicated_parameters(self):
         """The parameters every rank of the group keeps whole (LayerNorms, row biases, positions)."""
@@ -186,3 +251,19 @@ class ParallelGPT(nn.Module):
             ring_all_reduce(flat, check=False, group=self.group)
             for p, reduced in zip(params, flat.split([p.numel() for p in params])):
                 p.grad.copy_(reduced.view_as(p))
+
+
+def context_parallel_attention(q, k, v, head_size, attend=ring_attention, split="zigzag", group=None):
+    """Causal attention of this rank's s/cp positions on its a/t heads, the keys and values of
+    the other positions coming from the cp ranks of ``group`` by ``attend``:
+    q, k, v (b, s/cp, h/t) -> (b, s/cp, h/t), as ``causal_attention`` on the whole sequence."""
+    b, n, width = q.shape
+    q, k, v = (x.view(b, n, -1, head_size).transpose(1, 2) for x in (q, k, v))  # (b, a/t, s/cp, h/a)
+    y = attend(q, k, v, causal=True, split=split, group=group)  # (b, a/t, s/cp, h/a)
+    return y.transpose(1, 2).reshape(b, n, width)  # (b, s/cp, h/t)
+
+
+def _context(group):
+    """The context-parallel group where it has cp > 1 ranks, else None: one rank splits nothing."""
+    return group if group is not None and dist.get_world_size(group) > 1 else None
+
