@@ -309,6 +309,28 @@ def test_two_clusters_at_once(cluster2):
         assert other.run(all_reduce_ranks) == cluster2.run(all_reduce_ranks) == [1.0, 1.0]
 
 
+def make_groups(n):
+    """n process groups of every rank, left alive; this rank's live groups and threads."""
+    from torch.distributed.distributed_c10d import _world
+
+    groups = [dist.new_group() for _ in range(n)]
+    assert all(dist.get_world_size(group) == 2 for group in groups)
+    return len(_world.pg_map), threading.active_count(), len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+
+def test_groups_calls_leave_alive_are_destroyed_beyond_a_few(cluster2):
+    # each gloo group keeps a thread that wakes every 10 ms (parlab.runtime.worker's docstring)
+    from parlab.runtime.worker import KEPT_GROUPS
+
+    before = cluster2.run(make_groups, 0)
+    during = cluster2.run(make_groups, KEPT_GROUPS + 4)
+    assert [groups for groups, _, _ in during] == [groups + KEPT_GROUPS + 4 for groups, _, _ in before]
+    after = cluster2.run(make_groups, 0)
+    for (groups, _, threads), (groups_during, _, threads_during) in zip(after, during):
+        assert groups_during - groups >= 4 and threads <= threads_during - 4  # the oldest went, with their threads
+        assert groups <= 1 + KEPT_GROUPS + 1  # the world, the kept ones, an emulated link's header group
+
+
 def test_close_leaves_no_processes_and_refuses_more_work():
     cluster = parlab.Cluster(world_size=2)
     pids = cluster.pids

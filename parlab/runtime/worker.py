@@ -8,6 +8,14 @@ PARLAB_WORKER environment variable (JSON) and a socket to the parent on file des
     parent -> worker   ("run", call_id, payload, traced, regime) | ("reinit", generation) | ("exit",)
     worker -> parent   ("started", rank) | ("ready", rank) | ("out", stream, text) |
                        ("done", call_id, ok, result_or_traceback, events)
+
+Process groups that calls create and leave alive (``dist.new_group``, a ``parlab.Mesh`` left
+open) are destroyed once more than KEPT_GROUPS of them are, the oldest first, when a call
+returns: each gloo group keeps a thread that wakes every 10 ms whether or not a message comes
+(``epoll_wait`` with a 10 ms timeout in gloo's ``gloo/transport/tcp/loop.cc``, ``Loop::run``,
+at commit 2242f7d), so a worker that ran a hundred calls each making a group would spend its
+cores waking a hundred threads. The most recent ones are kept: a group made right after one
+of the same ranks was destroyed has failed gloo's connection under load.
 """
 
 import faulthandler
@@ -30,6 +38,9 @@ PROCESS_GROUP_TIMEOUT = timedelta(minutes=30)
 # Leaving a process group takes milliseconds, unless an operation left running in it can never
 # end (see _destroy_process_group).
 LEAVE_TIMEOUT_S = 10.0
+# Process groups made by calls and still alive that a worker keeps (module docstring).
+KEPT_GROUPS = 8
+_made_by_calls = []  # their names, in the order they were made (a reference would keep a group alive)
 
 
 def main(conn_fd=None, stack_fd=None):
@@ -88,6 +99,7 @@ def _serve(conn, config):
             sys.stdout.flush()
             os._exit(0)
         if message[0] == "reinit":
+            _made_by_calls.clear()  # destroyed with the process group; the next ones reuse the names
             try:
                 _destroy_process_group()
                 _init_process_group(config, message[1])
@@ -98,6 +110,7 @@ def _serve(conn, config):
             continue
         _, call_id, payload, traced, regime = message
         _begin_call(regime, config["rank"])
+        groups = set(_live_groups())  # names only: a reference would keep a group alive
         out, err = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = _Stream("stdout", reply), _Stream("stderr", reply)
         if traced:
@@ -107,6 +120,7 @@ def _serve(conn, config):
         finally:
             events = trace.stop() if traced else []
             sys.stdout, sys.stderr = out, err
+        _destroy_groups_made_since(groups)
         reply(("done", call_id, ok, result, events))
 
 
@@ -197,6 +211,36 @@ def _begin_call(regime, rank):
         import torch.distributed as dist
 
         emulation.set_header_group(dist.new_group(backend="gloo"))
+
+
+def _live_groups():
+    """The process groups alive now, by name (none before the process group exists)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return {}
+    from torch.distributed.distributed_c10d import _world
+
+    return {name: group for group, name in _world.pg_names.items()}
+
+
+def _destroy_groups_made_since(groups):
+    """Note the process groups created since those named ``groups`` were alive, and destroy the oldest
+    of those calls made beyond KEPT_GROUPS (module docstring), within LEAVE_TIMEOUT_S: a group
+    still running an operation that a call started and never waited for may not be left."""
+    live = _live_groups()
+    _made_by_calls[:] = [name for name in _made_by_calls if name in live]  # a Mesh destroys its own
+    _made_by_calls.extend(sorted(live.keys() - groups, key=lambda name: (len(name), name)))  # counts
+    if len(_made_by_calls) <= KEPT_GROUPS:
+        return
+    oldest = [live[name] for name in _made_by_calls[:-KEPT_GROUPS]]
+    del _made_by_calls[:-KEPT_GROUPS], live
+    import torch.distributed as dist
+
+    leaving = threading.Thread(target=_call_into, args=(lambda: [dist.destroy_process_group(g) for g in oldest], []),
+                               daemon=True)
+    leaving.start()
+    leaving.join(LEAVE_TIMEOUT_S)
 
 
 def _destroy_process_group():
