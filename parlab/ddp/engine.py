@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from parlab import background, collectives, p2p, trace
 from parlab._checks import place_in, real_number
+from parlab._hooks import weak_hook
 from parlab.memory import measure_model_state
 from parlab.runtime import emulation
 from parlab.units import MIB  # bucket_cap_mb counts mebibytes, as torch's
@@ -181,7 +182,7 @@ class DDP(torch.nn.Module):
         if during_backward:
             for bucket in self.buckets:
                 for p in bucket.parameters:
-                    p.register_post_accumulate_grad_hook(functools.partial(self._gradient_ready, bucket))
+                    p.register_post_accumulate_grad_hook(weak_hook(self._gradient_ready, bucket))
         self.launched = 0  # buckets launched so far in this step, always a prefix of self.buckets
         self.require_gradient_sync = True
 

@@ -41,12 +41,12 @@ against stage 1's full flat gradient of 4 padded Psi bytes
 aside) needs no buffer of its own: its gradient is its buffer.
 """
 
-import functools
 
 import torch
 import torch.distributed as dist
 
 from parlab import background, collectives, trace
+from parlab._hooks import weak_hook
 from parlab.ddp import assign_buckets
 from parlab.ddp.engine import regime_all_reduce
 from parlab.units import MIB
@@ -77,8 +77,7 @@ class GradientBuckets:
         self.arrived = False  # a gradient arrived since the last finish
         for bucket in self.buckets:
             for index in bucket.indices:
-                parameters[index].register_post_accumulate_grad_hook(functools.partial(self.gradient_ready, bucket,
-                                                                                       index))
+                parameters[index].register_post_accumulate_grad_hook(weak_hook(self.gradient_ready, bucket, index))
 
     def _bucket(self, number, indices):
         layout = self.layout
@@ -252,7 +251,7 @@ class AllReduceBuckets:
         self.new_round()
         for b, indices in enumerate(groups):
             for index in indices:
-                parameters[index].register_post_accumulate_grad_hook(functools.partial(self.gradient_ready, b, index))
+                parameters[index].register_post_accumulate_grad_hook(weak_hook(self.gradient_ready, b, index))
 
     def new_round(self):
         self.begun = False  # a gradient of this backward arrived (and end_of_backward is queued)

@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from parlab import _checks, background, p2p, runtime, trace
+from parlab._hooks import weak_hook
 from parlab.memory import measure_model_state
 from parlab.zero.flat_unit import FlatUnit
 from parlab.zero.strategies import _process_groups, _shard_group_size
@@ -148,7 +149,7 @@ class FSDP(nn.Module):
         for unit in self.units:
             unit.module.register_forward_pre_hook(functools.partial(self._before_forward, unit))
             unit.module.register_forward_hook(functools.partial(self._after_forward, unit))
-            unit.full.register_post_accumulate_grad_hook(functools.partial(self._gradient_ready, unit))
+            unit.full.register_post_accumulate_grad_hook(weak_hook(self._gradient_ready, unit))
 
     def extra_repr(self):
         return f"strategy={self.strategy!r}, units={[unit.name or '(root)' for unit in self.units]}"
@@ -185,7 +186,10 @@ class FSDP(nn.Module):
             unit.reshard()
             for tensor in tree_leaves(output):
                 if torch.is_tensor(tensor) and tensor.requires_grad:
-                    tensor.register_hook(lambda grad: self._unshard(unit, then=self.backward_next.get(unit)))
+                    tensor.register_hook(weak_hook(self._unshard_for_backward, unit))
+
+    def _unshard_for_backward(self, unit, grad):  # a hook on the unit's output: its gradient arrives
+        self._unshard(unit, then=self.backward_next.get(unit))
 
     def _unshard(self, unit, then=None):
         """Make ``unit`` unsharded before it computes. Without ``prefetch`` it is all-gathered

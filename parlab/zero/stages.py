@@ -102,6 +102,7 @@ start equal. Checkpoints (full and sharded state dicts, files): ``parlab.zero.ch
 import torch
 
 from parlab import _checks, collectives, p2p, trace
+from parlab._hooks import weak_hook
 from parlab.flat import FlatLayout
 from parlab.memory import measure_model_state
 from parlab.zero.buckets import FIRST_BUCKET_MB, AllReduceBuckets, GradientBuckets
@@ -195,7 +196,7 @@ class ZeroDP(torch.nn.Module):
                 self.buckets = AllReduceBuckets(self.trainable, self.layout, self.flat_grad, bucket_cap_mb,
                                                 first_bucket_mb, group)
             for p in self.trainable:
-                p.register_post_accumulate_grad_hook(lambda p: self._measure_gradients())
+                p.register_post_accumulate_grad_hook(weak_hook(self._measure_gradients))
 
     def extra_repr(self):
         return f"stage={self.stage}, {self.layout}"
@@ -293,7 +294,7 @@ class ZeroDP(torch.nn.Module):
         tensors = [self.flat_grad, self.shard.grad, *(p.grad for p in self.trainable), *buffers]
         return measure_model_state([], tensors, []).grads
 
-    def _measure_gradients(self):
+    def _measure_gradients(self, _parameter=None):  # also a gradient hook, given the parameter
         self.peak_gradient_bytes = max(self.peak_gradient_bytes, self.gradient_bytes())
 
     def model_state_bytes(self):
