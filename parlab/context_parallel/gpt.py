@@ -40,7 +40,7 @@ from parlab.context_parallel.ring import ring_attention
 from parlab.context_parallel.splits import _check_split, sequence_indices
 from parlab.gpt import GPT
 
-__all__ = ["ContextParallelAttention", "ContextParallelGPT", "check_attention"]
+__all__ = ["ContextParallelAttention", "ContextParallelGPT", "check_attention", "context_parallel_attention"]
 
 
 class ContextParallelAttention(nn.Module):
@@ -53,12 +53,9 @@ class ContextParallelAttention(nn.Module):
         self.query, self.key, self.value, self.proj = layer.query, layer.key, layer.value, layer.proj
         self.head_size, self.group, self.attend, self.split = layer.head_size, group, attend, split
 
-    def forward(self, n):
-        b, n_local, h = n.shape  # (b, s/cp, h)
-        q, k, v = (layer(n).view(b, n_local, h // self.head_size, self.head_size).transpose(1, 2)
-                   for layer in (self.query, self.key, self.value))  # (b, a, s/cp, h/a) each
-        y = self.attend(q, k, v, causal=True, split=self.split, group=self.group)  # (b, a, s/cp, h/a)
-        return self.proj(y.transpose(1, 2).reshape(b, n_local, h))  # (b, s/cp, h)
+    def forward(self, n):  # (b, s/cp, h)
+        q, k, v = (layer(n) for layer in (self.query, self.key, self.value))  # (b, s/cp, h) each
+        return self.proj(context_parallel_attention(q, k, v, self.head_size, self.attend, self.split, self.group))
 
 
 class ContextParallelGPT(nn.Module):
@@ -106,6 +103,17 @@ class ContextParallelGPT(nn.Module):
         """This rank's share of the batch's mean loss: sum of its cross-entropies / ``tokens_in_batch``."""
         logits = self(tokens)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum") / tokens_in_batch
+
+
+def context_parallel_attention(q, k, v, head_size, attend=ring_attention, split="zigzag", group=None):
+    """Causal attention of this rank's s/cp positions on its heads (all a, or a tensor-parallel
+    rank's a/t), the keys and values of the other positions coming from the cp ranks of
+    ``group`` by ``attend``: q, k, v (b, s/cp, width) -> (b, s/cp, width), width = heads x
+    ``head_size``, as the GPT's written-out attention on the whole sequence gives."""
+    b, n, width = q.shape
+    q, k, v = (x.view(b, n, -1, head_size).transpose(1, 2) for x in (q, k, v))  # (b, heads, s/cp, h/a)
+    y = attend(q, k, v, causal=True, split=split, group=group)  # (b, heads, s/cp, h/a)
+    return y.transpose(1, 2).reshape(b, n, width)  # (b, s/cp, width)
 
 
 def check_attention(attention, dropout):

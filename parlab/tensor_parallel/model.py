@@ -71,7 +71,7 @@ from torch.utils.checkpoint import checkpoint
 
 from parlab import trace
 from parlab.collectives import ring_all_reduce
-from parlab.context_parallel.gpt import check_attention
+from parlab.context_parallel.gpt import check_attention, context_parallel_attention
 from parlab.context_parallel.ring import ring_attention
 from parlab.context_parallel.splits import sequence_indices
 from parlab.gpt import GPT, causal_attention
@@ -251,16 +251,6 @@ class ParallelGPT(nn.Module):
             ring_all_reduce(flat, check=False, group=self.group)
             for p, reduced in zip(params, flat.split([p.numel() for p in params])):
                 p.grad.copy_(reduced.view_as(p))
-
-
-def context_parallel_attention(q, k, v, head_size, attend=ring_attention, split="zigzag", group=None):
-    """Causal attention of this rank's s/cp positions on its a/t heads, the keys and values of
-    the other positions coming from the cp ranks of ``group`` by ``attend``:
-    q, k, v (b, s/cp, h/t) -> (b, s/cp, h/t), as ``causal_attention`` on the whole sequence."""
-    b, n, width = q.shape
-    q, k, v = (x.view(b, n, -1, head_size).transpose(1, 2) for x in (q, k, v))  # (b, a/t, s/cp, h/a)
-    y = attend(q, k, v, causal=True, split=split, group=group)  # (b, a/t, s/cp, h/a)
-    return y.transpose(1, 2).reshape(b, n, width)  # (b, s/cp, h/t)
 
 
 def _context(group):
