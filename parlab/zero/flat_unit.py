@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parlab import p2p, trace
+from parlab import fp8, p2p, trace
 from parlab.collectives import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 from parlab.flat import FlatLayout
 from parlab.zero.units import REPLICATED_NAME, SHARD_NAME
@@ -43,11 +43,14 @@ class FlatUnit:
     ``flat_shard``, or ``flat_replicated`` for a replicated unit) and drops the unit's full
     copy, so that a model built on the meta device never holds more than one unit.
 
-    The trace marks each ``unshard`` as an "all-gather" span and each ``reduce_gradient`` as
-    a "reduce-scatter" ("all-reduce" when S = 1), with ``stage`` = the unit's index."""
+    ``gather_dtype``: None, or torch.float8_e4m3fn to all-gather the parameters in fp8
+    (``_gather_in_fp8``). The trace marks each ``unshard`` as an "all-gather" span (in fp8,
+    after an "all-reduce amax" span) and each ``reduce_gradient`` as a "reduce-scatter"
+    ("all-reduce" when S = 1), with ``stage`` = the unit's index."""
 
-    def __init__(self, plan, index, groups, device, compute_dtype, shard_device, replicated=False):
+    def __init__(self, plan, index, groups, device, compute_dtype, shard_device, replicated=False, gather_dtype=None):
         self.name, self.index, self.module, self.device = plan.name, index, plan.module, device
+        self.gather_dtype = gather_dtype
         self.names, self.slots, self.positions = plan.names, plan.slots, plan.positions
         (self.shard_group, S), (self.replicate_group, self.replicas) = groups
         self.layout = FlatLayout([p.shape for p in plan.parameters], S)
@@ -82,13 +85,51 @@ class FlatUnit:
         FSDP does)."""
         if self.is_unsharded:
             return
-        with trace.span("all-gather", stage=self.index), torch.no_grad():
-            full = self.full.data  # not .detach(): its writes would bump the version autograd checks
-            full.untyped_storage().resize_(full.numel() * full.element_size())
-            self.layout.shard(full, self.rank).copy_(self.shard)
-            if self.layout.world_size > 1:
-                ring_all_gather(full, check=False, group=self.shard_group)
+        full = self.full.data  # not .detach(): its writes would bump the version autograd checks
+        full.untyped_storage().resize_(full.numel() * full.element_size())
+        if self.gather_dtype is not None:
+            self._gather_in_fp8(full)
+        else:
+            with trace.span("all-gather", stage=self.index), torch.no_grad():
+                self.layout.shard(full, self.rank).copy_(self.shard)
+                if self.layout.world_size > 1:
+                    ring_all_gather(full, check=False, group=self.shard_group)
         self.is_unsharded = True
+
+    @torch.no_grad()
+    def _gather_in_fp8(self, full):
+        """All-gather the unit in fp8, one scale per parameter (torchao's float8 all-gather of
+        FSDP2, torchao/float8/fsdp_utils.py: a tensorwise scale from the amax of the whole
+        parameter, its ranks' amaxes all-reduced). Parameter i's scale rho_i = largest /
+        amax_i (``parlab.fp8.scale_for``); each rank casts its shard x rho to fp8, the ring
+        moves 1 byte per element (half of bf16's), and every rank reads q / rho_i into the full
+        buffer in the compute dtype. Gradients are still reduce-scattered in the compute dtype.
+        (torchao casts only its Float8Linear weights and precomputes the scales once after the
+        optimizer step; here every parameter of the unit travels in fp8, its scales made at
+        each unshard: the same values in forward and backward, as the shard has not moved.)"""
+        start, end = self.layout.shard_bounds(self.rank)
+        mine = self.shard.detach().to(self.device, torch.float32)
+        with trace.span("all-reduce amax", stage=self.index):
+            amaxes = torch.zeros(len(self.layout.shapes), device=self.device)  # (P,): this rank's part
+            for i, (offset, numel) in enumerate(zip(self.layout.offsets, self.layout.numels)):
+                part = mine[max(offset, start) - start : min(offset + numel, end) - start]
+                if part.numel():
+                    amaxes[i] = part.abs().max()
+            if self.layout.world_size > 1:
+                ring_all_reduce(amaxes, op="max", check=False, group=self.shard_group)
+        scales = fp8.scale_for(amaxes, self.gather_dtype)  # (P,)
+        with trace.span("all-gather", stage=self.index):
+            wire = torch.empty(self.layout.padded_numel, dtype=torch.uint8, device=self.device)
+            q, _ = fp8.to_fp8(mine, self.gather_dtype, self.layout.shard(self._per_element(scales), self.rank))
+            self.layout.shard(wire, self.rank).copy_(q.view(torch.uint8))  # gloo moves bytes, not fp8
+            if self.layout.world_size > 1:
+                ring_all_gather(wire, check=False, group=self.shard_group)
+            full.copy_(fp8.from_fp8(wire.view(self.gather_dtype), self._per_element(1 / scales), full.dtype))
+
+    def _per_element(self, values):
+        """One value per parameter (P,) -> the padded flat buffer with each parameter's value
+        on all its elements (0 in the padding)."""
+        return self.layout.flatten([value.expand(shape) for value, shape in zip(values, self.layout.shapes)])
 
     def set_views(self):
         """Put views of the full buffer in the module's parameter slots (made in forward, so

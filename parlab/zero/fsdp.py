@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from parlab import _checks, background, p2p, runtime, trace
+from parlab import _checks, background, fp8, p2p, runtime, trace
 from parlab._hooks import weak_hook
 from parlab.memory import measure_model_state
 from parlab.zero.flat_unit import FlatUnit
@@ -72,6 +72,9 @@ class FSDP(nn.Module):
     compute copy, the forward inputs and the gradients are in that dtype, and gradients are
     reduced in it (torch's MixedPrecisionPolicy with reduce_dtype = param_dtype: half the bytes
     on the wire); the shards and the optimizer state stay fp32 (master weights).
+    ``all_gather_dtype=torch.float8_e4m3fn``: the unshards gather the parameters in fp8, one
+    byte per element, with a scale per parameter (torchao's float8 all-gather;
+    ``FlatUnit._gather_in_fp8``), into the compute dtype; gradients are reduce-scattered in it.
     ``cpu_offload=True``: the shards, their gradients and the optimizer state in CPU memory.
     ``init_fn``, ``init_seed``: a model built on the meta device (``__init__``). ``replicate(name,
     parameter)``: true for the parameters to keep whole on every rank (``split_replicated`` in
@@ -83,7 +86,7 @@ class FSDP(nn.Module):
 
     def __init__(self, model, optimizer_class=None, strategy="FULL_SHARD", wrap_policy=None, mixed_precision=None,
                  cpu_offload=False, init_fn=None, init_seed=0, shard_group_size=None, replicate=None, group=None,
-                 prefetch=True, **optimizer_kwargs):
+                 prefetch=True, all_gather_dtype=None, **optimizer_kwargs):
         """Rank 0's initial parameters are broadcast unit by unit (``parlab.p2p.broadcast`` over
         the N_d ranks), so every rank starts from them. A model built on the meta device is
         materialised one unit at a time (``parlab.zero.units.materialize_unit``: ``init_fn(module)``,
@@ -109,6 +112,9 @@ class FSDP(nn.Module):
         S = _shard_group_size(strategy, N, shard_group_size)
         if mixed_precision not in (None, *LOW_PRECISION):
             raise ValueError(f"mixed_precision must be None, torch.bfloat16 or torch.float16, got {mixed_precision!r}.")
+        if all_gather_dtype not in (None, *fp8.FORMATS) or (all_gather_dtype and S == 1):
+            raise ValueError(f"all_gather_dtype must be None or an fp8 dtype (torch.float8_e4m3fn for parameters) with "
+                             f"a strategy that all-gathers (not NO_SHARD), got {all_gather_dtype!r} with {strategy}.")
         deferred = any(p.is_meta for p in model.parameters())
         if replicate is not None and deferred:
             raise ValueError("replicate= needs a materialised model (its units split after initialisation): build "
@@ -133,7 +139,7 @@ class FSDP(nn.Module):
                     materialize_unit(plan, index, device, init_fn, init_seed)
             self.units.append(FlatUnit(plan, index, ((group, 1), (group, N)) if replicated else groups, device,
                                        mixed_precision or torch.float32, torch.device("cpu") if cpu_offload else device,
-                                       replicated))
+                                       replicated, None if replicated else all_gather_dtype))
         if any(buffer.is_meta for buffer in model.buffers()):
             raise ValueError("buffers of modules without parameters stay on the meta device: create them "
                              "on a real device, or give them to a module that has parameters.")
