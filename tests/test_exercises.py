@@ -472,6 +472,7 @@ FIRST_STUB = {
                              "context_parallel.ring_attention_forward": "ring_attention_forward",
                              "context_parallel.zigzag_indices": "zigzag_indices"}),
     "experts": (6, {"experts.route": "route", "experts.dispatch_and_combine": "dispatch_and_combine"}),
+    "diloco": (9, {"diloco.outer_step": "outer_step", "diloco.reshard": "reshard", "diloco.young_daly": "young_daly"}),
 }
 
 
@@ -711,6 +712,42 @@ def test_planner_zero_0_sharded_micro_batches_forgotten_and_float32_lose_exactly
         assert "you forgot the micro-batches in flight on the first stage" in failed[name], failed[name]
     assert "the sum is right, one of the parts is not" in failed[total]
     assert "the values went through float32" in failed[launched]
+
+
+def diloco_failures(mistake):
+    """{test name: reason} of the diloco tests that the fixture ``mistake`` fails, and its score."""
+    results = grade.run_grading("diloco", impl=FIXTURES / mistake)
+    return {test["test"]: test["reason"] for test in results if not test["passed"]}, grade.score(results)
+
+
+DILOCO_OUTER_STEP = ["test_averages_over_its_group_only",
+                     *(f"test_is_nesterov_sgd_on_the_averaged_pseudo_gradient[{n} ranks]" for n in (2, 4)),
+                     "test_within_rounding_on_real_valued_weights"]
+
+
+def test_diloco_a_flipped_pseudo_gradient_unpadded_shards_and_young_without_2_are_each_named():
+    # One slip per task in one run: each costs its own task's tests, and only those (Daly's
+    # series is judged on the learner's own first order, the values of the shards end to end).
+    reasons, score = diloco_failures("pseudo_gradient_flipped")
+    assert score == grade.Score(3, 9)
+    assert sorted(reasons) == sorted([*DILOCO_OUTER_STEP, "test_cuts_equal_shards_padded_with_zeros",
+                                      "test_young_s_first_order_interval"])
+    for name in DILOCO_OUTER_STEP:
+        assert "you have the sign of Delta flipped" in reasons[name], reasons[name]
+    assert "pad the d values with zeros at the end" in reasons["test_cuts_equal_shards_padded_with_zeros"]
+    assert "misses Young's factor 2" in reasons["test_young_s_first_order_interval"]
+
+
+@pytest.mark.parametrize("mistake, named", [
+    ("pseudo_gradients_summed", "times too large: that is the sum of the pseudo-gradients; divide"),
+    ("heavy_ball_momentum", "that is heavy-ball momentum, w = w_start - eta u"),
+], ids=["summed", "heavy ball"])
+def test_diloco_a_sum_or_heavy_ball_loses_the_outer_step_only_and_is_named(mistake, named):
+    reasons, score = diloco_failures(mistake)
+    assert score == grade.Score(5, 9)
+    assert sorted(reasons) == DILOCO_OUTER_STEP
+    for reason in reasons.values():
+        assert named in reason, reason
 
 
 def test_the_options_of_the_pytest_around_it_do_not_reach_the_grader(monkeypatch):
