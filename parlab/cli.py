@@ -16,6 +16,7 @@ from parlab.bench import (
     compression,
     context_parallel,
     ddp,
+    diloco,
     emulation,
     experts,
     pipeline,
@@ -42,6 +43,7 @@ BENCHES = {
     "context_parallel": context_parallel,
     "compression": compression,
     "async": async_sgd,
+    "diloco": diloco,
     "plan": plan,
 }
 

@@ -12,6 +12,7 @@ from parlab.bench import (
     compression,
     context_parallel,
     ddp,
+    diloco,
     emulation,
     experts,
     pipeline,
@@ -137,9 +138,21 @@ def experts_result():
             "rows": experts.add_ratios([row(experts.LAYERS[0], FAST), row(experts.LAYERS[1], SLOW)])}
 
 
+def diloco_result():
+    def row(method, seconds):
+        return {"method": method, "seconds": seconds, "time_to_target": seconds, "steps_to_target": 4,
+                "final_loss": 0.01, "communication_share": 0.5, "seconds_per_step": seconds / 8,
+                "predicted_seconds_per_step": seconds / 8, "losses": [1.0, 0.01], "times": [0.0, seconds]}
+
+    rows = diloco.add_ratios([row("ddp", SLOW), row("diloco", FAST)])
+    return {"torch_version": "t", "cpu_count": 2, "world_size": 2, "steps": 8, "compute_s": 0.01, "d": 64, "H": 4,
+            "fragments": 2, "delay": 1, "mixing": 0.5, "target": 0.1, "ratio_means": ratio_header(diloco.REFERENCE),
+            "regimes": [{"link": {"latency": 0.03, "bandwidth": 1e7}, "regime": "emulated: link", "rows": rows}]}
+
+
 RESULTS = {"collectives": collectives_result, "ddp": ddp_result, "pipeline": pipeline_result, "zero": zero_result,
            "runtime": runtime_result, "emulation": emulation_result, "tensor_parallel": tensor_parallel_result,
-           "compression": compression_result, "async": async_result,
+           "compression": compression_result, "async": async_result, "diloco": diloco_result,
            "plan": plan_result, "experts": experts_result, "context_parallel": context_parallel_result}
 
 
@@ -217,3 +230,8 @@ def test_context_parallel_ratio_is_each_methods_time_over_one_process():
 def test_async_ratio_is_each_methods_time_over_syncs():
     sync, gossip = async_result()["rows"]
     assert (sync["ratio"], gossip["ratio"]) == (1, 0.25)
+
+
+def test_diloco_ratio_is_each_methods_time_to_the_target_over_ddps():
+    ddp, diloco_row = diloco_result()["regimes"][0]["rows"]
+    assert (ddp["ratio"], diloco_row["ratio"]) == (1, 0.25)
