@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import parlab
 from parlab import fp8
 from parlab.fp8 import E4M3
 from parlab.trace import COMM, COMPUTE
-from parlab.zero import FSDP
+from parlab.zero import FSDP, fp8_gather
 
 
 def mlp():
@@ -134,3 +135,13 @@ def test_an_fp8_gather_needs_an_fp8_dtype_and_a_strategy_that_gathers(cluster2):
         for message in cluster2.run(refused, options, timeout=60):
             assert message and "all_gather_dtype must be None or an fp8 dtype" in message, options
 
+
+
+@pytest.mark.timeout(120)
+def test_the_lectures_step_times_run_both_gathers_and_count_their_bytes(cluster2):
+    link = parlab.Link(latency=50e-6, bandwidth=200e6)
+    rows = fp8_gather.gather_step_times(cluster2, link, hidden=32, depth=2, steps=1, timeout=60)
+    assert [row["gather"] for row in rows] == ["bf16", "fp8 E4M3"]
+    bf16, e4m3 = rows
+    assert e4m3["sent"][0] < bf16["sent"][0]  # no timing asserted: it is the lecture's to show
+    assert bf16["model_s"] == pytest.approx(fp8_gather.step_model(bf16["padded_numels"], 2, link))
