@@ -23,7 +23,7 @@ MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
 TECHNIQUES = [name for name in MODULES if name.split(".")[1:2] and name.split(".")[1] in {
     "trace", "p2p", "collectives", "flat", "memory", "ddp", "alpha_beta", "pipeline", "zero",
     "background", "emulated", "mixed_precision", "gpt", "tensor_parallel", "async_sgd", "compression", "slurm", "plan",
-    "mesh_training", "numerics", "context_parallel", "experts", "units", "fp8", "diloco"}]
+    "mesh_training", "numerics", "context_parallel", "experts", "units", "fp8", "diloco", "failures"}]
 ABOVE_TECHNIQUES = ("parlab.viz", "parlab.widgets", "parlab.bench", "parlab.cli", "parlab.course", "parlab.train")
 
 
