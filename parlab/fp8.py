@@ -19,10 +19,10 @@ even inf, become 448; NaN stays NaN); to E5M2 they round to the nearest and give
 61440 up. Either way nothing signals it: scaling keeps a tensor inside the range.
 
 Per-tensor scaling (the paper's section 4.3; torchao's and Transformer Engine's recipes): with
-rho = largest / amax(x), amax(x) = max |x|, the cast q = fp8(x rho) puts the largest element
-at the top of the format, and the tensor travels as (q, 1/rho); x is read back as q / rho
+sigma = largest / amax(x), amax(x) = max |x|, the cast q = fp8(x sigma) puts the largest element
+at the top of the format, and the tensor travels as (q, 1/sigma); x is read back as q / sigma
 (``to_fp8``, ``from_fp8``). A matmul multiplies the fp8 values, accumulates in fp32 and
-scales the result once by 1/(rho_a rho_b) (``fp8_matmul``), which is what an fp8 tensor core
+scales the result once by 1/(sigma_a sigma_b) (``fp8_matmul``), which is what an fp8 tensor core
 (torch._scaled_mm) computes. Its error is at most (2u + u^2) (|a| @ |b|) element by element,
 plus the fp32 accumulation's and the subnormals' (the test derives the bound).
 
@@ -66,7 +66,7 @@ def amax(x):
 
 
 def scale_for(amax_value, dtype=E4M3, margin=0):
-    """rho = largest(dtype) / amax / 2^margin, in fp32 (elementwise for a tensor of amaxes);
+    """sigma = largest(dtype) / amax / 2^margin, in fp32 (elementwise for a tensor of amaxes);
     an amax below ``AMAX_FLOOR`` counts as it. Transformer Engine's formula (the ``margin``
     leaves 2^margin of headroom); torchao's with margin 0."""
     _check_format(dtype)
@@ -75,8 +75,8 @@ def scale_for(amax_value, dtype=E4M3, margin=0):
 
 
 def to_fp8(x, dtype=E4M3, scale=None):
-    """x -> (q, 1/rho): q = fp8(x rho) in ``dtype``, rounded to the nearest (saturated or inf
-    past the range: module docstring). ``scale`` rho: a number, or a tensor broadcast against
+    """x -> (q, 1/sigma): q = fp8(x sigma) in ``dtype``, rounded to the nearest (saturated or inf
+    past the range: module docstring). ``scale`` sigma: a number, or a tensor broadcast against
     x (one scale per parameter of a flat buffer, as FSDP's gather uses); None: the tensor's
     own, ``scale_for(amax(x), dtype)`` (dynamic per-tensor scaling)."""
     _check_format(dtype)
@@ -85,7 +85,7 @@ def to_fp8(x, dtype=E4M3, scale=None):
 
 
 def from_fp8(q, inverse_scale, dtype=torch.float32):
-    """(q, 1/rho) -> q / rho in ``dtype`` (computed as q x (1/rho) in fp32, then cast)."""
+    """(q, 1/sigma) -> q / sigma in ``dtype`` (computed as q x (1/sigma) in fp32, then cast)."""
     return (q.float() * inverse_scale).to(dtype)
 
 
@@ -93,7 +93,7 @@ class DelayedScaling:
     """The scale of step t from the amaxes of the steps before it (Transformer Engine's
     ``DelayedScaling`` recipe with ``amax_compute_algo="max"``): ``scale(x)`` returns
 
-        rho_t = largest / max(amax_{t-l}, ..., amax_{t-1}) / 2^margin
+        sigma_t = largest / max(amax_{t-l}, ..., amax_{t-1}) / 2^margin
 
     and then records amax_t = amax(x) in the history, which keeps the last ``history`` = l.
     While the history holds no amax above 0 the scale stays at its start, 1 (TE keeps the
@@ -101,7 +101,7 @@ class DelayedScaling:
     amax_history_len=1024, margin=0; releases before 1.0 kept l = 1, the most recent amax).
 
     An amax above the one the scale was made for, max(history) x 2^margin (largest when the
-    scale is 1), puts x rho_t past the format's largest: the cast clips it (E4M3 saturates).
+    scale is 1), puts x sigma_t past the format's largest: the cast clips it (E4M3 saturates).
     ``overflows`` counts those steps; the next steps' scales take the spike in."""
 
     def __init__(self, dtype=E4M3, history=1024, margin=0):
@@ -111,7 +111,7 @@ class DelayedScaling:
         self.overflows, self.current = 0, torch.tensor(1.0)
 
     def scale(self, x):
-        """rho_t for ``x`` (fp32, 0-d); records amax(x) and counts an overflow (class docstring)."""
+        """sigma_t for ``x`` (fp32, 0-d); records amax(x) and counts an overflow (class docstring)."""
         known = max(self.history, default=0.0)
         limit = edge_values(self.dtype).largest
         if known > 0:
@@ -124,7 +124,7 @@ class DelayedScaling:
 
 def fp8_matmul(a, b, a_dtype=E4M3, b_dtype=E4M3):
     """a @ b with both operands cast to fp8 with their own per-tensor scales: the fp8 values
-    multiplied and accumulated in fp32, then scaled by 1/(rho_a rho_b). a (n, k), b (k, m) ->
+    multiplied and accumulated in fp32, then scaled by 1/(sigma_a sigma_b). a (n, k), b (k, m) ->
     (n, m) fp32."""
     return _scaled_matmul(*to_fp8(a, a_dtype), *to_fp8(b, b_dtype))
 
