@@ -1,6 +1,6 @@
 # Generated from solutions/diloco.py by `python -m parlab.course.exercises build`.
 # Write your code where it raises NotImplementedError, then run `parlab grade diloco`.
-# parlab-generated sha256=fe5ea03fd8c21d85ba3daa95fd7815036c15e6708d64bc139f6af4b38eeac65c
+# parlab-generated sha256=a5c41a13ae2cd4f9684f98d8f73ce28857558bb3e21b48ade56cbe2c4ddfeb66
 """Exercise: DiLoCo's outer step, a sharded state resumed on another number of ranks, and
 how often to checkpoint.
 
@@ -17,9 +17,10 @@ redoing work after a failure is smallest.
 
 Symbols: N ranks in the group, w the weights, Delta_r = w_start - w_r what rank r's H inner
 steps subtracted (the glossary's step: w <- w - Delta), eta the outer learning rate, nu the
-outer momentum, u the outer momentum buffer; d values of a flat vector, N_d and N_d' the
-numbers of shards before and after; delta the seconds one checkpoint takes, Theta the mean
-time between failures (MTBF).
+outer momentum, buf the outer momentum buffer; d values of a flat vector, N_d and N_d' the
+numbers of shards before and after; I the checkpoint interval (compute time between two
+checkpoints), delta the seconds one checkpoint takes, Theta the mean time between failures
+(MTBF).
 
 Stuck? ``parlab.hint("diloco.outer_step")`` in a notebook (or ``parlab hint diloco.outer_step``
 in a terminal) opens a hint, one level at a time. Grade your work with ``parlab grade diloco``
@@ -38,18 +39,18 @@ def outer_step(params, start, momentum_buffers, outer_lr, outer_momentum, group=
     params: this replica's weights w_r after its H inner steps, a list of tensors (a model's
     parameters, say); start: w_start, the weights every replica began the round from, tensors
     of the same shapes, equal on every rank; momentum_buffers: a list with one entry per
-    tensor, None before the first outer step (as torch.optim.SGD's momentum_buffer), then u.
+    tensor, None before the first outer step (as torch.optim.SGD's momentum_buffer), then buf.
     outer_lr: eta; outer_momentum: nu. The outer optimizer is torch.optim.SGD(lr=eta,
     momentum=nu, nesterov=True) stepping w_start with the averaged pseudo-gradient as its
     gradient (Algorithm 1; the update is torch/optim/sgd.py's ``_single_tensor_sgd``):
 
         Delta = (1/N) sum_r (w_start - w_r)     the pseudo-gradient, averaged over the group
-        u     = Delta                           on the first outer step (u is None)
-        u     = nu u + Delta                    on every later one
-        w     = w_start - eta (Delta + nu u)    Nesterov's step
+        buf   = Delta                             on the first outer step (buf is None)
+        buf   = nu buf + Delta                    on every later one
+        w     = w_start - eta (Delta + nu buf)    Nesterov's step
 
     Afterwards every tensor of ``params`` and of ``start`` holds the new w, the same on every
-    rank (the next round starts from it), and momentum_buffers[i] holds u for tensor i. The
+    rank (the next round starts from it), and momentum_buffers[i] holds buf for tensor i. The
     average is one all-reduce over ``group``: ``dist.all_reduce(tensor, group=group)`` (a
     sum; gloo has no average) or ``parlab.collectives.ring_all_reduce``. Update ``params``
     under ``torch.no_grad()``: they may be a model's parameters. Returns nothing."""
@@ -86,19 +87,19 @@ def reshard(shards, numel, world_size):
 
 
 def young_daly(checkpoint_seconds, mtbf_seconds, higher_order=False):
-    """The optimal compute time between two checkpoints, in seconds, for a job that fails at
-    random (a Poisson process) every Theta seconds on average and takes delta seconds to save
-    a checkpoint (checkpoint_seconds = delta, mtbf_seconds = Theta, the mean time between
-    failures).
+    """The optimal checkpoint interval I (compute time between two checkpoints), in seconds,
+    for a job that fails at random (a Poisson process) every Theta seconds on average and
+    takes delta seconds to save a checkpoint (checkpoint_seconds = delta, mtbf_seconds =
+    Theta, the mean time between failures).
 
     - Young (1974, "A first order approximation to the optimum checkpoint interval", CACM
-      17(9)): sqrt(2 delta Theta).
+      17(9)): I = sqrt(2 delta Theta).
     - With ``higher_order``, Daly (2006, "A higher order estimate of the optimum checkpoint
       interval for restart dumps", FGCS 22(3)), a series in powers of sqrt(delta / (2 Theta)):
 
-          sqrt(2 delta Theta) (1 + (1/3) sqrt(delta / (2 Theta)) + (1/9) delta / (2 Theta)) - delta
+          I = sqrt(2 delta Theta) (1 + (1/3) sqrt(delta / (2 Theta)) + (1/9) delta / (2 Theta)) - delta
 
-      for delta < 2 Theta, and Theta itself for delta >= 2 Theta. (Daly's Figs. 3-5: Theta =
+      for delta < 2 Theta, and I = Theta for delta >= 2 Theta. (Daly's Figs. 3-5: Theta =
       24 h, 6 h and 15 min with delta = 5 min give 117, 57 and 9.1 min.)
 
     Raises ValueError unless both times are > 0."""

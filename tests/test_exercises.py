@@ -740,7 +740,7 @@ def test_diloco_a_flipped_pseudo_gradient_unpadded_shards_and_young_without_2_ar
 
 @pytest.mark.parametrize("mistake, named", [
     ("pseudo_gradients_summed", "times too large: that is the sum of the pseudo-gradients; divide"),
-    ("heavy_ball_momentum", "that is heavy-ball momentum, w = w_start - eta u"),
+    ("heavy_ball_momentum", "that is heavy-ball momentum, w = w_start - eta buf"),
 ], ids=["summed", "heavy ball"])
 def test_diloco_a_sum_or_heavy_ball_loses_the_outer_step_only_and_is_named(mistake, named):
     reasons, score = diloco_failures(mistake)

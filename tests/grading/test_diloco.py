@@ -131,8 +131,8 @@ def check_outer_rounds(cluster, impl, settings, grouped=False):
                             f"pseudo-gradient by {difference(params, weights):.3g} (band {band:.2g}): {why}",
                             pytrace=False)
             if not all(torch.is_tensor(b) for b in buffers) or differs(buffers, us, band):
-                pytest.fail(f"{at}: momentum_buffers must hold u for each tensor (u = Delta on the first outer step, "
-                            "then u = nu u + Delta), as torch's momentum_buffer", pytrace=False)
+                pytest.fail(f"{at}: momentum_buffers must hold buf for each tensor (buf = Delta on the first outer "
+                            "step, then buf = nu buf + Delta), as torch's momentum_buffer", pytrace=False)
 
 
 def band_of(members, settings, expected):
@@ -163,13 +163,13 @@ def named_mistake(params, round_, members, N, settings, band):
     mistakes = [
         (dict(sign=-1), "the weights moved away from where the replicas went: the pseudo-gradient is Delta = "
                         "w_start - w_r (what the inner steps subtracted), and the outer step subtracts eta (Delta + "
-                        "nu u) from w_start; you have the sign of Delta flipped"),
+                        "nu buf) from w_start; you have the sign of Delta flipped"),
         (dict(divisor=1), f"the step is N = {n} times too large: that is the sum of the pseudo-gradients; divide the "
                           f"all-reduced sum by N, the {n} ranks of the group, to average them"),
-        (dict(nesterov=False), "that is heavy-ball momentum, w = w_start - eta u; Nesterov's step is w = w_start - "
-                               "eta (Delta + nu u)"),
-        (dict(momentum=False), "no momentum: w = w_start - eta Delta; u carries over from round to round (u = nu u + "
-                               "Delta) and the step is eta (Delta + nu u)"),
+        (dict(nesterov=False), "that is heavy-ball momentum, w = w_start - eta buf; Nesterov's step is w = w_start - "
+                               "eta (Delta + nu buf)"),
+        (dict(momentum=False), "no momentum: w = w_start - eta Delta; buf carries over from round to round (buf = nu "
+                               "buf + Delta) and the step is eta (Delta + nu buf)"),
     ]
     if n < N:
         world = list(range(N))
@@ -185,8 +185,8 @@ def named_mistake(params, round_, members, N, settings, band):
         wrong = replayed(**{"members": members, **settings, **change})[round_][0]
         if not differs(params, wrong, max(band, 1e-6 * max(w.abs().max().item() for w in wrong))):
             return why
-    return ("Delta = (1/N) sum_r (w_start - w_r) over the group, u = Delta on the first outer step and nu u + Delta "
-            "after, w = w_start - eta (Delta + nu u)")
+    return ("Delta = (1/N) sum_r (w_start - w_r) over the group, buf = Delta on the first outer step and nu buf + "
+            "Delta after, w = w_start - eta (Delta + nu buf)")
 
 
 @pytest.mark.task("outer_step")
