@@ -16,17 +16,19 @@ Algorithm 1) repeats:
 
     w_r <- w; H steps of the inner optimizer on w_r          # no communication
     Delta = (1/N) sum_r (w - w_r)                            # the pseudo-gradient: one ring all-reduce
-    v <- nu v + Delta;  w <- w - eta (Delta + nu v)          # the outer optimizer: SGD with Nesterov
+    buf <- nu buf + Delta;  w <- w - eta (Delta + nu buf)    # the outer optimizer: SGD with Nesterov
 
-The paper's inner optimizer is AdamW and its outer one Nesterov momentum with eta = 0.7 and
-nu = 0.9 (the defaults here) at H = 500; the outer step is torch's ``SGD(nesterov=True)`` on
-the copy w, whose "gradient" is Delta. With H = 1, inner SGD, eta = 1 and nu = 0 it is
-synchronous data parallelism: Delta = gamma g_bar, w <- w - gamma g_bar. The inner optimizer's
-state (Adam's moments) carries on across outer steps. Bytes: 2 (N - 1)/N 4 Psi per rank
-every H steps (fp32), against DDP's 2 (N - 1)/N 4 Psi every step.
+The paper's inner optimizer is AdamW and its outer one Nesterov momentum; eta = 0.7 and nu = 0.9
+(the defaults here) are the outer SGD of pytorch/torchft's DiLoCo test
+(torchft/local_sgd_integ_test.py), and the abstract reports 500 times less communication than
+synchronous training. The outer step is torch's ``SGD(nesterov=True)`` on the copy w, whose
+"gradient" is Delta. With H = 1, inner SGD, eta = 1 and nu = 0 it is synchronous data
+parallelism: Delta = gamma g_bar, w <- w - gamma g_bar. The inner optimizer's state (Adam's
+moments) carries on across outer steps. Bytes: 2 (N - 1)/N 4 Psi per rank every H steps (fp32),
+against DDP's 2 (N - 1)/N 4 Psi every step.
 
 Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication",
-arXiv 2501.18512, Section 2) changes three things, each an argument here:
+arXiv 2501.18512) changes three things, each an argument here:
 
 - ``fragments`` F: the parameters cut into F strided fragments, synchronised on a staggered
   schedule (``parlab.diloco.schedule``): 1/F of the bytes every H/F steps instead of all of
@@ -80,7 +82,7 @@ class DiLoCo:
         self.inner_optimizer, self.group, self.compressor = inner_optimizer, group, compressor or Identity()
         self.fragments = schedule.strided_fragments(parameters, fragments)
         schedule.sync_offsets(self.H, len(self.fragments))  # F <= H, refused now rather than at step 1
-        # w, one copy per fragment; each fragment has its own outer optimizer (its momentum v)
+        # w, one copy per fragment; each fragment has its own outer optimizer (its momentum buffer, buf)
         self.global_weights = [[p.detach().clone() for p in fragment] for fragment in self.fragments]
         self.outer_optimizers = [torch.optim.SGD(w, lr=outer_lr, momentum=outer_momentum,
                                                  nesterov=outer_momentum > 0) for w in self.global_weights]
@@ -130,7 +132,7 @@ class DiLoCo:
         for w in self.global_weights[i]:
             w.grad = mean[offset:offset + w.numel()].view_as(w).to(w.dtype)
             offset += w.numel()
-        self.outer_optimizers[i].step()  # v <- nu v + Delta; w <- w - eta (Delta + nu v)
+        self.outer_optimizers[i].step()  # buf <- nu buf + Delta; w <- w - eta (Delta + nu buf)
         with torch.no_grad():
             for p, w in zip(self.fragments[i], self.global_weights[i]):
                 p.lerp_(w, 1 - self.mixing)  # w_r <- omega w_r + (1 - omega) w; exactly w at omega = 0

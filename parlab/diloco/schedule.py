@@ -6,7 +6,7 @@ all-reduce overlaps (its outer step's staleness, lecture 06's tau). Plain DiLoCo
 tau = 0: everything synchronised after steps H, 2H, ...
 
 - Fragments are strided (Douillard et al. 2025, "Streaming DiLoCo with overlapping
-  communication", arXiv 2501.18512, Section 2: a strided pattern of layers spreads each
+  communication", arXiv 2501.18512: a strided pattern of layers spreads each
   fragment over the depth): parameter tensor j belongs to fragment j mod F.
 - Staggered: fragment i (0-based) is sent after inner steps o_i, o_i + H, o_i + 2H, ... with
   o_i = floor((i + 1) H / F), so one fragment leaves every H/F steps and the last one at H,

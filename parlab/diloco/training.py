@@ -10,7 +10,7 @@ squares has 32 weights, whose messages only pay latency, and computing its gradi
 d of a million takes an m x d matrix per step. Here the gradient is cheap at any d: a noisy
 quadratic with diagonal curvature c_j spread from 0.1 to 1 (a condition number of 10),
 
-    f(w) = (1/2d) sum_j c_j (w_j - 1)^2,     g_r = c (w - 1) + sigma xi_r,  xi_r ~ N(0, I)
+    f(w) = (1/2d) sum_j c_j (w_j - 1)^2,     g_r = c (w - 1) + noise xi_r,  xi_r ~ N(0, I)
 
 with xi_r drawn from rank r's generator seeded by rank and step, and ``seconds`` of declared
 compute per gradient (``emulation.compute``): what a model of d fp32 weights would take. Its
@@ -43,8 +43,8 @@ from parlab.runtime import emulation
 
 @dataclass(frozen=True)
 class NoisyQuadratic:
-    """d fp32 weights in ``tensors`` tensors, gradient noise of standard deviation ``noise``
-    (sigma), ``seconds`` of declared compute per gradient, inner learning rate ``lr`` (gamma)."""
+    """d fp32 weights in ``tensors`` tensors, gradient noise of standard deviation ``noise``,
+    ``seconds`` of declared compute per gradient, inner learning rate ``lr`` (gamma)."""
 
     d: int = 2**18
     tensors: int = 4
