@@ -80,7 +80,8 @@ def causal_attention(q, k, v, head_size, causal_bias, dropout=0.0, training=Fals
     softmax(q k^T / sqrt(head_size) + causal_bias) v per head, returned as (b, s, heads x head_size)."""
     b, s, width = q.shape
     q, k, v = (x.view(b, s, -1, head_size).transpose(1, 2) for x in (q, k, v))  # (b, heads, s, h/a)
-    scores = (q @ k.transpose(-2, -1)) * (1 / math.sqrt(head_size)) + causal_bias[:s, :s]
+    # the mask in the scores' dtype: an fp32 bias would promote bf16 scores to fp32, and p @ v fail
+    scores = (q @ k.transpose(-2, -1)) * (1 / math.sqrt(head_size)) + causal_bias[:s, :s].to(q.dtype)
     p = F.dropout(scores.softmax(-1), dropout, training)  # (b, heads, s, s)
     return (p @ v).transpose(1, 2).reshape(b, s, width)
 
