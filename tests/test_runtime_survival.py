@@ -44,8 +44,8 @@ def test_a_worker_killed_while_idle_is_reported_once_then_replaced(call):
             getattr(cluster, call)(all_reduce_ranks)
         assert info.value.ranks == [1] and info.value.dead == [1]
         assert str(info.value).splitlines()[0] == (
-            "rank 1's worker was killed by SIGKILL while idle (out of memory?). The call did not run; rank 1's "
-            "worker was replaced (anything it kept between calls is gone), so run it again."
+            "rank 1's worker was killed by SIGKILL while idle (out of memory, or a kill -9?). The call did not run; "
+            "rank 1's worker was replaced (anything it kept between calls is gone), so run it again."
         )
         assert victim not in cluster.pids
         assert cluster.pids[0] == survivor  # it re-joins the new process group in its own process
@@ -65,7 +65,7 @@ def test_every_dead_worker_is_named_with_its_signal():
             cluster.run(all_reduce_ranks)
         assert info.value.ranks == [0, 2]
         assert str(info.value).splitlines()[0].startswith(
-            "rank 0's worker was killed by SIGKILL while idle (out of memory?); "
+            "rank 0's worker was killed by SIGKILL while idle (out of memory, or a kill -9?); "
             "rank 2's worker was killed by SIGTERM while idle. The call did not run; the workers of ranks 0, 2 "
             "were replaced"
         )

@@ -133,7 +133,7 @@ def _stacks(stuck):
 
 def worker_ended(rank, code, when=None):
     """How a worker ended, in one line: "rank 2's worker was killed by SIGKILL while idle
-    (out of memory?)". ``code`` is its exit status (negative: the signal; None: still
+    (out of memory, or a kill -9?)". ``code`` is its exit status (negative: the signal; None: still
     running, though its connection closed); ``when`` says what it was doing."""
     if code is None:
         how, hint = "closed its connection", None
@@ -141,8 +141,8 @@ def worker_ended(rank, code, when=None):
         how, hint = f"exited with code {code}", None
     else:
         how = f"was killed by {signal.Signals(-code).name}"
-        # The kernel's out-of-memory killer ends a process with SIGKILL.
-        hint = "(out of memory?)" if -code == signal.SIGKILL else None
+        # The kernel's out-of-memory killer ends a process with SIGKILL, as kill -9 and parlab.failures do.
+        hint = "(out of memory, or a kill -9?)" if -code == signal.SIGKILL else None
     return " ".join(filter(None, [f"rank {rank}'s worker", how, when, hint]))
 
 
