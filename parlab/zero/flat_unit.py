@@ -10,7 +10,8 @@ which this rank keeps one. FSDP (``parlab.zero.fsdp``) calls, in torch's FSDP2 w
 
 ``shard_of`` and ``gather_full`` move whole tensors in and out of the shard layout, for
 ``FSDP.full_parameters`` and ``parlab.zero.checkpoint``. Which parameters a unit takes:
-``parlab.zero.units``.
+``parlab.zero.units``. Units gathered in fp8 take their scales from ``make_fp8_scales``: one
+all-reduce for all of them, before a forward.
 """
 
 import torch
@@ -22,7 +23,7 @@ from parlab.collectives import ring_all_gather, ring_all_reduce, ring_reduce_sca
 from parlab.flat import FlatLayout
 from parlab.zero.units import REPLICATED_NAME, SHARD_NAME
 
-__all__ = ["FlatUnit"]
+__all__ = ["FlatUnit", "make_fp8_scales"]
 
 
 class FlatUnit:
@@ -44,13 +45,14 @@ class FlatUnit:
     copy, so that a model built on the meta device never holds more than one unit.
 
     ``gather_dtype``: None, or torch.float8_e4m3fn to all-gather the parameters in fp8
-    (``_gather_in_fp8``). The trace marks each ``unshard`` as an "all-gather" span (in fp8,
-    after an "all-reduce amax" span) and each ``reduce_gradient`` as a "reduce-scatter"
-    ("all-reduce" when S = 1), with ``stage`` = the unit's index."""
+    (``_gather_in_fp8``) with ``scales``, one per parameter, set by ``make_fp8_scales``. The
+    trace marks each ``unshard`` as an "all-gather" span and each ``reduce_gradient`` as a
+    "reduce-scatter" ("all-reduce" when S = 1), with ``stage`` = the unit's index."""
 
     def __init__(self, plan, index, groups, device, compute_dtype, shard_device, replicated=False, gather_dtype=None):
         self.name, self.index, self.module, self.device = plan.name, index, plan.module, device
         self.gather_dtype = gather_dtype
+        self.scales = None  # (P,): sigma of each parameter for the fp8 gather (make_fp8_scales)
         self.names, self.slots, self.positions = plan.names, plan.slots, plan.positions
         (self.shard_group, S), (self.replicate_group, self.replicas) = groups
         self.layout = FlatLayout([p.shape for p in plan.parameters], S)
@@ -98,33 +100,33 @@ class FlatUnit:
 
     @torch.no_grad()
     def _gather_in_fp8(self, full):
-        """All-gather the unit in fp8, one scale per parameter (torchao's float8 all-gather of
-        FSDP2, torchao/float8/fsdp_utils.py: a tensorwise scale from the amax of the whole
-        parameter, its ranks' amaxes all-reduced). Parameter i's scale rho_i = largest /
-        amax_i (``parlab.fp8.scale_for``); each rank casts its shard x rho to fp8, the ring
-        moves 1 byte per element (half of bf16's), and every rank reads q / rho_i into the full
-        buffer in the compute dtype. Gradients are still reduce-scattered in the compute dtype.
-        (torchao casts only its Float8Linear weights and precomputes the scales once after the
-        optimizer step; here every parameter of the unit travels in fp8, its scales made at
-        each unshard: the same values in forward and backward, as the shard has not moved.)"""
-        start, end = self.layout.shard_bounds(self.rank)
+        """All-gather the unit in fp8 with its scales (torchao's float8 all-gather of FSDP2,
+        torchao/float8/fsdp_utils.py: a tensorwise scale per parameter, from the amax of the
+        whole parameter): parameter i's scale sigma_i = largest / amax_i (``make_fp8_scales``);
+        each rank casts its shard x sigma to fp8, the ring moves 1 byte per element (half of
+        bf16's), and every rank reads q / sigma_i into the full buffer in the compute dtype.
+        Gradients are still reduce-scattered in the compute dtype. (torchao casts only its
+        Float8Linear weights; here every parameter of the unit travels in fp8.)"""
         mine = self.shard.detach().to(self.device, torch.float32)
-        with trace.span("all-reduce amax", stage=self.index):
-            amaxes = torch.zeros(len(self.layout.shapes), device=self.device)  # (P,): this rank's part
-            for i, (offset, numel) in enumerate(zip(self.layout.offsets, self.layout.numels)):
-                part = mine[max(offset, start) - start : min(offset + numel, end) - start]
-                if part.numel():
-                    amaxes[i] = part.abs().max()
-            if self.layout.world_size > 1:
-                ring_all_reduce(amaxes, op="max", check=False, group=self.shard_group)
-        scales = fp8.scale_for(amaxes, self.gather_dtype)  # (P,)
         with trace.span("all-gather", stage=self.index):
             wire = torch.empty(self.layout.padded_numel, dtype=torch.uint8, device=self.device)
-            q, _ = fp8.to_fp8(mine, self.gather_dtype, self.layout.shard(self._per_element(scales), self.rank))
+            q, _ = fp8.to_fp8(mine, self.gather_dtype, self.layout.shard(self._per_element(self.scales), self.rank))
             self.layout.shard(wire, self.rank).copy_(q.view(torch.uint8))  # gloo moves bytes, not fp8
             if self.layout.world_size > 1:
                 ring_all_gather(wire, check=False, group=self.shard_group)
-            full.copy_(fp8.from_fp8(wire.view(self.gather_dtype), self._per_element(1 / scales), full.dtype))
+            full.copy_(fp8.from_fp8(wire.view(self.gather_dtype), self._per_element(1 / self.scales), full.dtype))
+
+    def shard_amaxes(self):
+        """(P,): max |x| of each of the unit's parameters over the part of it in this rank's
+        shard (0 for a parameter that lies in other shards only)."""
+        start, end = self.layout.shard_bounds(self.rank)
+        mine = self.shard.detach().to(self.device, torch.float32)
+        amaxes = torch.zeros(len(self.layout.shapes), device=self.device)
+        for i, (offset, numel) in enumerate(zip(self.layout.offsets, self.layout.numels)):
+            part = mine[max(offset, start) - start : min(offset + numel, end) - start]
+            if part.numel():
+                amaxes[i] = part.abs().max()
+        return amaxes
 
     def _per_element(self, values):
         """One value per parameter (P,) -> the padded flat buffer with each parameter's value
@@ -175,3 +177,27 @@ class FlatUnit:
         if self.layout.world_size > 1:
             ring_all_gather(flat, check=False, group=self.shard_group)
         return self.layout.views(flat)
+
+
+@torch.no_grad()
+def make_fp8_scales(units):
+    """Set the fp8 gather's scales of every unit of ``units`` that gathers in fp8, with ONE
+    all-reduce (max) of all their shards' amaxes over the shard group: sigma_i = largest /
+    amax_i for each parameter i of each unit (``parlab.fp8.scale_for``), amax_i over all S
+    shards. torchao does the same once per step, right after the optimizer step
+    (``torchao.float8.precompute_float8_dynamic_scale_for_fsdp``: "a single all-reduce to
+    compute the scales for all float8 weights"); FSDP calls it at construction and at the
+    start of each forward, so a forward's and its backward's unshards gather with the same
+    scales. Made per unshard instead, the scales would cost 2 (S - 1) messages of a few bytes
+    on every unshard's critical path: 2 (S - 1) x 2 x units messages per step, each paying
+    alpha (and the peers' skew) for a few bytes, which made the fp8 step slower than bf16's.
+    Traced as one "all-reduce amax" span."""
+    units = [unit for unit in units if unit.gather_dtype is not None]
+    if not units:
+        return
+    with trace.span("all-reduce amax"):
+        amaxes = torch.cat([unit.shard_amaxes() for unit in units])  # (sum of the units' P,)
+        if units[0].layout.world_size > 1:  # every unit gathered in fp8 shards over the same group
+            ring_all_reduce(amaxes, op="max", check=False, group=units[0].shard_group)
+    for unit, part in zip(units, amaxes.split([len(unit.layout.shapes) for unit in units])):
+        unit.scales = fp8.scale_for(part, unit.gather_dtype)  # (P,)

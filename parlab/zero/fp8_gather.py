@@ -5,7 +5,16 @@
 times FSDP FULL_SHARD steps (bf16 compute, ``prefetch=False``: every collective on the
 critical path) with the parameters gathered in bf16 and in fp8 (``FSDP(...,
 all_gather_dtype=torch.float8_e4m3fn)``), under the emulated link, beside the alpha-beta model
-of the step's communication (``step_model``).
+of the step's communication plus the step's measured time outside its collectives
+(``step_model``).
+
+Why the fp8 step was once slower than bf16's: each unshard all-reduced its parameters' amaxes
+before gathering, 2 (N - 1) messages of a few bytes on the critical path, twice per unit and
+step. On a 2-core laptop each such message costs a rank's wake-up (milliseconds when the
+cores are busy), not the link's alpha of 100 us: at N = 2 the 16 extra messages per step cost
+~50 ms. The engine now makes every unit's scales with one all-reduce per forward
+(``parlab.zero.flat_unit.make_fp8_scales``, as torchao's
+``precompute_float8_dynamic_scale_for_fsdp``), which the model counts once per step.
 """
 
 import statistics
@@ -17,9 +26,11 @@ from torch import nn
 from parlab import _checks, trace
 from parlab.fp8 import E4M3
 from parlab.memory import ring_communication_seconds
+from parlab.trace import COMPUTE
 from parlab.zero.fsdp import FSDP
 
 GATHERS = {"bf16": None, "fp8 E4M3": E4M3}
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce amax")  # the engine's spans of its collectives
 
 
 def gather_step_times(cluster, link, hidden=256, depth=4, batch_size=4, steps=3, timeout=120):
@@ -29,7 +40,9 @@ def gather_step_times(cluster, link, hidden=256, depth=4, batch_size=4, steps=3,
     two engines take their steps in turn, one to warm up and ``steps`` timed ones each.
     Returns one dict per gather: ``gather``, ``seconds`` (each step from the first rank's start
     to the last rank's end), ``median_s``, ``sent`` (bytes each rank sent in the last step),
-    ``model_s`` (``step_model``) and ``padded_numels`` (the units')."""
+    ``compute_s`` (the median over the steps of the longest time a rank spent outside the
+    collectives' spans: forward and backward arithmetic, the optimizer, Python),
+    ``model_s`` (``step_model`` with that compute) and ``padded_numels`` (the units')."""
     for name, value in dict(hidden=hidden, depth=depth, batch_size=batch_size, steps=steps).items():
         _checks.whole_number(name, value, "pass a small whole number, e.g. the default.")
     with cluster.emulate(link=link):
@@ -38,11 +51,20 @@ def gather_step_times(cluster, link, hidden=256, depth=4, batch_size=4, steps=3,
     for index, name in enumerate(GATHERS):
         windows = [timeline.window("step", step * len(GATHERS) + index) for step in range(1, 1 + steps)]
         seconds = [window.duration for window in windows]
+        compute = statistics.median(max(_outside_collectives(window, rank) for rank in range(cluster.world_size))
+                                    for window in windows)
         padded = timeline.results[0]
         rows.append({"gather": name, "seconds": seconds, "median_s": statistics.median(seconds),
-                     "sent": windows[-1].bytes_sent(), "padded_numels": padded,
-                     "model_s": step_model(padded, cluster.world_size, link, name)})
+                     "sent": windows[-1].bytes_sent(), "padded_numels": padded, "compute_s": compute,
+                     "model_s": step_model(padded, cluster.world_size, link, name, compute)})
     return rows
+
+
+def _outside_collectives(window, rank):
+    """Seconds of ``rank``'s step span in ``window`` not inside one of its collectives' spans."""
+    spans = window.select(rank=rank, kind=COMPUTE)
+    step = next(span.duration for span in spans if span.name == "step")
+    return step - sum(span.duration for span in spans if span.name in COLLECTIVES)
 
 
 def _steps_in_turn(hidden, depth, batch_size, steps):
@@ -63,16 +85,17 @@ def _steps_in_turn(hidden, depth, batch_size, steps):
     return [unit.layout.padded_numel for unit in engines[0].units]
 
 
-def step_model(padded_numels, N, link, gather="bf16"):
-    """The alpha-beta time of one FULL_SHARD step's collectives, one after another: per unit
-    of Psi_u padded elements, two all-gathers (``gather``: "bf16", 2 bytes per element, or
-    "fp8 E4M3", 1) and one
-    reduce-scatter in bf16 (2 bytes), each (N - 1)(alpha + Psi_u / N x bytes x beta)
-    (``ring_communication_seconds``); an fp8 gather adds, per unit and gather, the ring
-    all-reduce of the scales, 2 (N - 1) messages counted at alpha each (a few bytes each).
-    Compute is left out: on a slow link the collectives set the step's pace."""
+def step_model(padded_numels, N, link, gather="bf16", compute_s=0.0):
+    """The time of one FULL_SHARD step whose collectives run one after another: per unit of
+    Psi_u padded elements, two all-gathers (``gather``: "bf16", 2 bytes per element, or
+    "fp8 E4M3", 1) and one reduce-scatter in bf16 (2 bytes), each (N - 1)(alpha + Psi_u / N x
+    bytes x beta) (``ring_communication_seconds``); an fp8 gather adds the one ring
+    all-reduce of all units' scales at the start of the forward, 2 (N - 1) messages counted
+    at alpha each (4 bytes per parameter tensor: a few bytes each). Plus ``compute_s``, the
+    step's time outside its collectives (``gather_step_times`` measures it): the model times
+    the link, not the arithmetic."""
     fp8 = GATHERS[gather] is not None
     gathers = 2 / 3 * ring_communication_seconds(padded_numels, N, 1 if fp8 else 2, 3, link.latency, link.bandwidth)
     reduce = 1 / 3 * ring_communication_seconds(padded_numels, N, 2, 3, link.latency, link.bandwidth)
-    scales = 0 if not fp8 else 2 * len(padded_numels) * 2 * (N - 1) * link.latency
-    return gathers + reduce + scales
+    scales = 2 * (N - 1) * link.latency if fp8 else 0.0
+    return gathers + reduce + scales + compute_s

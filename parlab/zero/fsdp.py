@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from parlab import _checks, background, fp8, p2p, runtime, trace
 from parlab._hooks import weak_hook
 from parlab.memory import measure_model_state
-from parlab.zero.flat_unit import FlatUnit
+from parlab.zero.flat_unit import FlatUnit, make_fp8_scales
 from parlab.zero.strategies import _process_groups, _shard_group_size
 from parlab.zero.units import materialize_unit, plan_units, split_replicated
 
@@ -75,6 +75,8 @@ class FSDP(nn.Module):
     ``all_gather_dtype=torch.float8_e4m3fn``: the unshards gather the parameters in fp8, one
     byte per element, with a scale per parameter (torchao's float8 all-gather;
     ``FlatUnit._gather_in_fp8``), into the compute dtype; gradients are reduce-scattered in it.
+    The scales of all units come from one all-reduce at the start of each forward
+    (``parlab.zero.flat_unit.make_fp8_scales``).
     ``cpu_offload=True``: the shards, their gradients and the optimizer state in CPU memory.
     ``init_fn``, ``init_seed``: a model built on the meta device (``__init__``). ``replicate(name,
     parameter)``: true for the parameters to keep whole on every rank (``split_replicated`` in
@@ -140,6 +142,7 @@ class FSDP(nn.Module):
             self.units.append(FlatUnit(plan, index, ((group, 1), (group, N)) if replicated else groups, device,
                                        mixed_precision or torch.float32, torch.device("cpu") if cpu_offload else device,
                                        replicated, None if replicated else all_gather_dtype))
+        make_fp8_scales(self.units)  # for unshards before the first forward (it makes them afresh)
         if any(buffer.is_meta for buffer in model.buffers()):
             raise ValueError("buffers of modules without parameters stay on the meta device: create them "
                              "on a real device, or give them to a module that has parameters.")
@@ -164,6 +167,7 @@ class FSDP(nn.Module):
         if self.mixed_precision is not None:
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
         self.entered = self.returned = None  # a new forward: its order is learned afresh
+        make_fp8_scales(self.units)  # one all-reduce for every unit's fp8 scales, off the unshards' path
         with trace.span("forward"):
             output = self.module(*args, **kwargs)
         for unit in self.units:  # prefetched for a forward that did not run it (its order changed)
