@@ -10,11 +10,16 @@ of the step's communication plus the step's measured time outside its collective
 
 Why the fp8 step was once slower than bf16's: each unshard all-reduced its parameters' amaxes
 before gathering, 2 (N - 1) messages of a few bytes on the critical path, twice per unit and
-step. On a 2-core laptop each such message costs a rank's wake-up (milliseconds when the
-cores are busy), not the link's alpha of 100 us: at N = 2 the 16 extra messages per step cost
-~50 ms. The engine now makes every unit's scales with one all-reduce per forward
-(``parlab.zero.flat_unit.make_fp8_scales``, as torchao's
+step. On a 2-core laptop each such message costs the ranks' wake-ups (milliseconds when the
+cores are busy), not the link's alpha of 100 us: traced at N = 2, the 8 amax all-reduces
+took 33 ms of an 84 ms step. The engine now makes every unit's scales with one all-reduce
+per forward (``parlab.zero.flat_unit.make_fp8_scales``, as torchao's
 ``precompute_float8_dynamic_scale_for_fsdp``), which the model counts once per step.
+
+An emulated message takes at least its real time: where the machine's own step (no link
+emulated: N ranks' arithmetic, casts and wake-ups sharing the cores) is slower than the
+model's link time, the measured step shows the machine, not the bytes. Compare ``median_s``
+with the same call on a cluster without a link before reading the rows as the link's.
 """
 
 import statistics
