@@ -22,7 +22,9 @@ from parlab.widgets._common import BUTTON_PADDING_PX, PX_PER_CHAR, Feedback
 from parlab.widgets.collectives import alpha_beta_widget, ring_widget
 from parlab.widgets.context_parallel import ring_attention_widget
 from parlab.widgets.ddp import bucket_widget
+from parlab.widgets.diloco import diloco_widget
 from parlab.widgets.experts import router_widget
+from parlab.widgets.failures import goodput_widget
 from parlab.widgets.memory import memory_widget
 from parlab.widgets.pipeline import schedule_widget
 from parlab.widgets.zero_steps import zero_step_widget
@@ -57,6 +59,9 @@ EVERY_WIDGET = {
     "zero_step_widget": lambda: zero_step_widget(n_d=2),
     "ring_attention_widget": lambda: ring_attention_widget(cp=4),
     "router_widget": lambda: router_widget(E=8, k=2, ep=4),
+    "diloco_widget": lambda: diloco_widget({"ddp": [(0, 1.0), (4, 0.1)], ("diloco", 8): [(0, 1.0), (6, 0.1)]}, 0.1,
+                                           compute_s=0.02, payload_bytes=1e6, N=4),
+    "goodput_widget": lambda: goodput_widget(delta=60, restart=120, theta=3600),
 }
 
 
