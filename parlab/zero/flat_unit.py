@@ -45,14 +45,16 @@ class FlatUnit:
     copy, so that a model built on the meta device never holds more than one unit.
 
     ``gather_dtype``: None, or torch.float8_e4m3fn to all-gather the parameters in fp8
-    (``_gather_in_fp8``) with ``scales``, one per parameter, set by ``make_fp8_scales``. The
-    trace marks each ``unshard`` as an "all-gather" span and each ``reduce_gradient`` as a
-    "reduce-scatter" ("all-reduce" when S = 1), with ``stage`` = the unit's index."""
+    (``_gather_in_fp8``) with ``scales``, one per parameter, spread over its elements by
+    ``make_fp8_scales``. The trace marks each ``unshard`` as an "all-gather" span and each
+    ``reduce_gradient`` as a "reduce-scatter" ("all-reduce" when S = 1), with ``stage`` = the
+    unit's index."""
 
     def __init__(self, plan, index, groups, device, compute_dtype, shard_device, replicated=False, gather_dtype=None):
         self.name, self.index, self.module, self.device = plan.name, index, plan.module, device
         self.gather_dtype = gather_dtype
-        self.scales = None  # (P,): sigma of each parameter for the fp8 gather (make_fp8_scales)
+        # (padded numel,) each: sigma_i and 1/sigma_i on parameter i's elements, for the fp8 gather
+        self.scales = self.inverse_scales = None  # (set by make_fp8_scales, once per forward)
         self.names, self.slots, self.positions = plan.names, plan.slots, plan.positions
         (self.shard_group, S), (self.replicate_group, self.replicas) = groups
         self.layout = FlatLayout([p.shape for p in plan.parameters], S)
@@ -110,11 +112,11 @@ class FlatUnit:
         mine = self.shard.detach().to(self.device, torch.float32)
         with trace.span("all-gather", stage=self.index):
             wire = torch.empty(self.layout.padded_numel, dtype=torch.uint8, device=self.device)
-            q, _ = fp8.to_fp8(mine, self.gather_dtype, self.layout.shard(self._per_element(self.scales), self.rank))
+            q, _ = fp8.to_fp8(mine, self.gather_dtype, self.layout.shard(self.scales, self.rank))
             self.layout.shard(wire, self.rank).copy_(q.view(torch.uint8))  # gloo moves bytes, not fp8
             if self.layout.world_size > 1:
                 ring_all_gather(wire, check=False, group=self.shard_group)
-            full.copy_(fp8.from_fp8(wire.view(self.gather_dtype), self._per_element(1 / self.scales), full.dtype))
+            full.copy_(fp8.from_fp8(wire.view(self.gather_dtype), self.inverse_scales, full.dtype))
 
     def shard_amaxes(self):
         """(P,): max |x| of each of the unit's parameters over the part of it in this rank's
@@ -128,10 +130,13 @@ class FlatUnit:
                 amaxes[i] = part.abs().max()
         return amaxes
 
-    def _per_element(self, values):
-        """One value per parameter (P,) -> the padded flat buffer with each parameter's value
-        on all its elements (0 in the padding)."""
-        return self.layout.flatten([value.expand(shape) for value, shape in zip(values, self.layout.shapes)])
+    def set_fp8_scales(self, scales):
+        """Take sigma_i (P,), one per parameter, for the unshards until the next call: spread
+        over each parameter's elements (0 in the padding) here, once, rather than on every
+        unshard, which would rebuild two padded buffers on each gather's critical path."""
+        self.scales, self.inverse_scales = (
+            self.layout.flatten([value.expand(shape) for value, shape in zip(values, self.layout.shapes)])
+            for values in (scales, 1 / scales))
 
     def set_views(self):
         """Put views of the full buffer in the module's parameter slots (made in forward, so
@@ -200,4 +205,4 @@ def make_fp8_scales(units):
         if units[0].layout.world_size > 1:  # every unit gathered in fp8 shards over the same group
             ring_all_reduce(amaxes, op="max", check=False, group=units[0].shard_group)
     for unit, part in zip(units, amaxes.split([len(unit.layout.shapes) for unit in units])):
-        unit.scales = fp8.scale_for(part, unit.gather_dtype)  # (P,)
+        unit.set_fp8_scales(fp8.scale_for(part, unit.gather_dtype))  # (P,)
