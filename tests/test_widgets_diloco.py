@@ -25,7 +25,8 @@ def test_steps_to_target_reads_each_curve():
 
 
 def test_the_lines_are_steps_times_seconds_per_step_and_the_crossover_is_costs():
-    measured = [("ddp", 1, 1e7, 5.0), ("diloco", 8, 1e7, 3.0), ("diloco", 4, 1e7, 9.0)]
+    measured = [("ddp", 1, 0.001, 1e7, 5.0), ("diloco", 8, 0.001, 1e7, 3.0), ("diloco", 4, 0.001, 1e7, 9.0),
+                ("ddp", 1, 0.03, 1e9, 7.0)]  # a point at another latency belongs to other lines
     ax = plot_wall_time_to_loss(CURVES, 0.02, 8, 0.001, T_C, P, N, measured=measured)
     lines = {line.get_label(): line for line in ax.get_lines()}
     ddp, diloco = lines["model: DDP, S = 40"], lines["model: DiLoCo, H = 8, S = 63"]

@@ -16,6 +16,7 @@ all-reduce once per H of them, so it wins below the bandwidth ``costs.crossover`
 """
 
 import math
+import textwrap
 
 from parlab._checks import whole_number
 from parlab.diloco import costs
@@ -24,6 +25,7 @@ from parlab.widgets._common import Feedback, import_ipywidgets, in_range, log_sl
 
 FIGSIZE = (7.5, 4.2)
 BANDWIDTHS = [10 ** (6 + k / 8) for k in range(33)]  # the x axis: 1 MB/s to 10 GB/s, 8 points a decade
+SAME_LATENCY = 1.25  # a measured point is drawn over lines whose latency is within this factor of its own
 STYLES = {"ddp": {"color": "C0", "marker": "s"}, "diloco": {"color": "C3", "marker": "o"}}
 
 
@@ -74,8 +76,9 @@ def plot_wall_time_to_loss(curves, target, H, latency, compute_s, payload_bytes,
     ``BANDWIDTHS``) for DDP and for DiLoCo at ``H``: S (from the measured ``curves``) times
     ``costs.seconds_per_step`` on Link(``latency``, 1/beta), with t_c = ``compute_s``, P =
     ``payload_bytes`` and N replicas. The crossover bandwidth (``costs.crossover``) is a
-    vertical line when finite. ``measured``: (method, H, bandwidth, seconds) times to the
-    target under emulated links, drawn as points (DDP's, and DiLoCo's at this H). Returns the axes."""
+    vertical line when finite. ``measured``: (method, H, latency, bandwidth, seconds) times to
+    the target under emulated links, drawn as points where they belong to these lines: DDP's and
+    DiLoCo's at this H, measured at a latency within ``SAME_LATENCY`` of ``latency``. Returns the axes."""
     import matplotlib.pyplot as plt
 
     steps = steps_to_target(curves, target)
@@ -87,7 +90,8 @@ def plot_wall_time_to_loss(curves, target, H, latency, compute_s, payload_bytes,
         seconds = [steps[key] * costs.seconds_per_step(method, Link(latency, bandwidth), compute_s, payload_bytes, N,
                                                        H=1 if method == "ddp" else H) for bandwidth in BANDWIDTHS]
         ax.plot(BANDWIDTHS, seconds, color=STYLES[method]["color"], lw=2, label=f"model: {label}, S = {steps[key]}")
-        points = [(b, s) for m, h, b, s in measured or () if m == method and (method == "ddp" or h == H)]
+        points = [(b, s) for m, h, alpha, b, s in measured or () if m == method and (method == "ddp" or h == H)
+                  and 1 / SAME_LATENCY <= alpha / latency <= SAME_LATENCY]
         if points:
             ax.plot(*zip(*points), STYLES[method]["marker"], color=STYLES[method]["color"], ms=6, ls="none",
                     label=f"measured: {label} (emulated link)")
@@ -100,7 +104,7 @@ def plot_wall_time_to_loss(curves, target, H, latency, compute_s, payload_bytes,
     ax.set_xlabel("link bandwidth 1/beta (bytes/s)")
     ax.set_ylabel(f"wall time to loss {target:g} (s)")
     ax.set_title(f"model: alpha-beta, N = {N}, t_c = {compute_s * 1e3:.3g} ms, alpha = {latency * 1e3:.3g} ms, "
-                 f"P = {payload_bytes / 1e6:.3g} MB\n{sentence}", fontsize=10)
+                 f"P = {payload_bytes / 1e6:.3g} MB\n" + textwrap.fill(sentence, 90), fontsize=9)
     ax.legend(fontsize=8, loc="upper right")
     return ax
 
