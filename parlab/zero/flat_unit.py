@@ -11,7 +11,7 @@ which this rank keeps one. FSDP (``parlab.zero.fsdp``) calls, in torch's FSDP2 w
 ``shard_of`` and ``gather_full`` move whole tensors in and out of the shard layout, for
 ``FSDP.full_parameters`` and ``parlab.zero.checkpoint``. Which parameters a unit takes:
 ``parlab.zero.units``. Units gathered in fp8 take their scales from ``make_fp8_scales``: one
-all-reduce for all of them, before a forward.
+collective for all of them, before a forward.
 """
 
 import torch
@@ -187,22 +187,30 @@ class FlatUnit:
 @torch.no_grad()
 def make_fp8_scales(units):
     """Set the fp8 gather's scales of every unit of ``units`` that gathers in fp8, with ONE
-    all-reduce (max) of all their shards' amaxes over the shard group: sigma_i = largest /
-    amax_i for each parameter i of each unit (``parlab.fp8.scale_for``), amax_i over all S
+    collective of all their shards' amaxes over the shard group: sigma_i = largest / amax_i
+    for each parameter i of each unit (``parlab.fp8.scale_for``), amax_i the max over all S
     shards. torchao does the same once per step, right after the optimizer step
     (``torchao.float8.precompute_float8_dynamic_scale_for_fsdp``: "a single all-reduce to
     compute the scales for all float8 weights"); FSDP calls it at construction and at the
     start of each forward, so a forward's and its backward's unshards gather with the same
     scales. Made per unshard instead, the scales would cost 2 (S - 1) messages of a few bytes
-    on every unshard's critical path: 2 (S - 1) x 2 x units messages per step, each paying
-    alpha (and the peers' skew) for a few bytes, which made the fp8 step slower than bf16's.
-    Traced as one "all-reduce amax" span."""
+    on every unshard's critical path: 2 (S - 1) x 2 x units messages per step.
+
+    The max over the shards is an all-gather of every shard's amaxes, then a max on every
+    rank: S - 1 messages of 4 P bytes (P parameters over all units) instead of the ring
+    all-reduce's 2 (S - 1) of 4 P / S: the all-gather is the faster while 4 P (S - 2) / S
+    bytes take less than alpha, P < alpha / (4 beta) x S / (S - 2) (1000 parameters at S = 4
+    on a 100 us, 20 MB/s link). Traced as one "all-reduce amax" span."""
     units = [unit for unit in units if unit.gather_dtype is not None]
     if not units:
         return
+    S, group = units[0].layout.world_size, units[0].shard_group  # every unit gathered in fp8 shards over it
+    counts = [len(unit.layout.shapes) for unit in units]
     with trace.span("all-reduce amax"):
-        amaxes = torch.cat([unit.shard_amaxes() for unit in units])  # (sum of the units' P,)
-        if units[0].layout.world_size > 1:  # every unit gathered in fp8 shards over the same group
-            ring_all_reduce(amaxes, op="max", check=False, group=units[0].shard_group)
-    for unit, part in zip(units, amaxes.split([len(unit.layout.shapes) for unit in units])):
+        amaxes = torch.zeros(S, sum(counts), device=units[0].device)  # (S, P): row s, shard s's amaxes
+        amaxes[units[0].rank] = torch.cat([unit.shard_amaxes() for unit in units])
+        if S > 1:
+            ring_all_gather(amaxes, check=False, group=group)  # row s is the ring's chunk s
+        amaxes = amaxes.amax(dim=0)  # (P,): each parameter's amax over all S shards
+    for unit, part in zip(units, amaxes.split(counts)):
         unit.set_fp8_scales(fp8.scale_for(part, unit.gather_dtype))  # (P,)

@@ -12,9 +12,14 @@ Why the fp8 step was once slower than bf16's: each unshard all-reduced its param
 before gathering, 2 (N - 1) messages of a few bytes on the critical path, twice per unit and
 step. On a 2-core laptop each such message costs the ranks' wake-ups (milliseconds when the
 cores are busy), not the link's alpha of 100 us: traced at N = 2, the 8 amax all-reduces
-took 33 ms of an 84 ms step. The engine now makes every unit's scales with one all-reduce
-per forward (``parlab.zero.flat_unit.make_fp8_scales``, as torchao's
-``precompute_float8_dynamic_scale_for_fsdp``), which the model counts once per step.
+took 33 ms of an 84 ms step. The engine now makes every unit's scales once per forward
+(``parlab.zero.flat_unit.make_fp8_scales``, as torchao's
+``precompute_float8_dynamic_scale_for_fsdp``), with an all-gather of the amaxes: N - 1
+messages, which the model counts once per step. Traced at N = 4 on that laptop with one core
+busy elsewhere, every message, 8 bytes or 32 kB, took 2 to 4 ms of real time (a tiny ring
+all-reduce without a link: 3.3 to 4 ms per message), so the 2 (N - 1) = 6 messages of the
+all-reduce it replaced took 9 to 36 ms of a 100 to 200 ms step, and fp8's halved gather
+bytes saved little where the link's time per message (0.9 ms at 20 MB/s) is below that.
 
 An emulated message takes at least its real time: where the machine's own step (no link
 emulated: N ranks' arithmetic, casts and wake-ups sharing the cores) is slower than the
@@ -94,13 +99,13 @@ def step_model(padded_numels, N, link, gather="bf16", compute_s=0.0):
     """The time of one FULL_SHARD step whose collectives run one after another: per unit of
     Psi_u padded elements, two all-gathers (``gather``: "bf16", 2 bytes per element, or
     "fp8 E4M3", 1) and one reduce-scatter in bf16 (2 bytes), each (N - 1)(alpha + Psi_u / N x
-    bytes x beta) (``ring_communication_seconds``); an fp8 gather adds the one ring
-    all-reduce of all units' scales at the start of the forward, 2 (N - 1) messages counted
-    at alpha each (4 bytes per parameter tensor: a few bytes each). Plus ``compute_s``, the
+    bytes x beta) (``ring_communication_seconds``); an fp8 gather adds the one all-gather of
+    all units' amaxes at the start of the forward (``make_fp8_scales``), N - 1 messages
+    counted at alpha each (4 bytes per parameter tensor: a few bytes each). Plus ``compute_s``, the
     step's time outside its collectives (``gather_step_times`` measures it): the model times
     the link, not the arithmetic."""
     fp8 = GATHERS[gather] is not None
     gathers = 2 / 3 * ring_communication_seconds(padded_numels, N, 1 if fp8 else 2, 3, link.latency, link.bandwidth)
     reduce = 1 / 3 * ring_communication_seconds(padded_numels, N, 2, 3, link.latency, link.bandwidth)
-    scales = 2 * (N - 1) * link.latency if fp8 else 0.0
+    scales = (N - 1) * link.latency if fp8 else 0.0
     return gathers + reduce + scales + compute_s
