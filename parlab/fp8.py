@@ -226,6 +226,36 @@ def _train(model, data, lr, autocast_dtype):
     return torch.stack(losses)
 
 
+def scaled_mm_throughput(n=8192, repeats=20):
+    """TFLOP/s (2 n^3 per product) of an n x n x n matmul on the GPU, the mean of ``repeats``
+    after a warm-up: {"fp8 E4M3": torch._scaled_mm of E4M3 operands with per-tensor scales,
+    fp32 accumulation and a bf16 result; "bf16": the same product in bf16}. torch._scaled_mm
+    needs fp8 tensor cores (compute capability 8.9 or more: an H100), its second operand
+    column-major and n a multiple of 16."""
+    if not torch.cuda.is_available():
+        raise ValueError("scaled_mm_throughput needs a CUDA GPU with fp8 tensor cores (e.g. an H100): run it there.")
+    _checks.whole_number("n", n, "pick a multiple of 16, e.g. n=8192.")
+    if n % 16:
+        raise ValueError(f"n = {n} is not a multiple of 16, which torch._scaled_mm needs: e.g. n=8192.")
+    a, b = torch.randn(n, n, device="cuda"), torch.randn(n, n, device="cuda")
+    a8, b8 = a.to(E4M3), b.t().contiguous().to(E4M3).t()  # (n, n); b8 column-major
+    a16, b16 = a.bfloat16(), b.bfloat16()
+    one = torch.ones((), device="cuda")  # the per-tensor scales (1/sigma) of both operands
+    products = {"fp8 E4M3": lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16),
+                "bf16": lambda: a16 @ b16}
+    tflops = {}
+    for name, product in products.items():
+        product()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            product()
+        end.record()
+        torch.cuda.synchronize()
+        tflops[name] = 2 * n**3 * repeats / (start.elapsed_time(end) / 1e3) / 1e12
+    return tflops
+
+
 def _check_format(dtype):
     if dtype not in FORMATS:
         _checks.refuse("dtype", "torch.float8_e4m3fn (E4M3) or torch.float8_e5m2 (E5M2)", dtype,

@@ -130,3 +130,9 @@ def test_learner_mistakes_are_refused():
         fp8.to_fp8(torch.ones(2), torch.float16)
     with pytest.raises(ValueError, match="history"):
         fp8.DelayedScaling(history=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the refusal on a machine without CUDA")
+def test_the_gpu_throughput_says_it_needs_a_gpu():
+    with pytest.raises(ValueError, match="needs a CUDA GPU with fp8 tensor cores"):
+        fp8.scaled_mm_throughput()
