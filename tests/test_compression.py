@@ -9,8 +9,10 @@ import pytest
 import torch
 
 import parlab.compression
+from parlab import fp8
 from parlab.compression import (
     BF16,
+    FP8,
     FP16,
     QSGD,
     ErrorFeedback,
@@ -116,13 +118,19 @@ def test_signs_and_half_precision_reconstruct_what_they_say():
     assert torch.equal(SignSGD()(x), x.sign())
     assert torch.equal(FP16()(x), x.half().float()) and torch.equal(BF16()(x), x.bfloat16().float())
     assert torch.equal(Identity()(x), x)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # one scale: max|x| lands on the format's largest
+        u, largest = fp8.unit_roundoff(dtype), torch.finfo(dtype).max
+        smallest_normal = torch.finfo(dtype).smallest_normal * x.abs().max() / largest
+        error = (FP8(dtype)(x) - x).abs()
+        assert (error <= torch.maximum(u * x.abs(), smallest_normal)).all()  # u relative, absolute below normal
+        assert FP8(dtype)(x).abs().max() == x.abs().max() and not torch.equal(FP8(dtype)(x), x)
 
 
 def test_message_bytes_are_the_formulas():
     x, d, k = torch.zeros(1000), 1000, 10
     assert Identity().bytes(x) == 4 * d and FP16().bytes(x) == BF16().bytes(x) == 2 * d
     assert RandK(k).bytes(x) == 4 * k and TopK(k).bytes(x) == (4 + 8) * k and TopK(0.01).bytes(x) == 12 * k
-    assert QSGD(4).bytes(x) == TernGrad().bytes(x) == ScaledSign().bytes(x) == 4 + d
+    assert QSGD(4).bytes(x) == TernGrad().bytes(x) == ScaledSign().bytes(x) == FP8().bytes(x) == 4 + d
     assert SignSGD().bytes(x) == d and ErrorFeedback(TopK(k)).bytes(x) == 12 * k
 
 
@@ -134,7 +142,7 @@ def test_bytes_each_rank_sends_are_the_formulas(N):
     assert FP16().sent_bytes(x, N) == [dense // 2] * N and SignSGD().sent_bytes(x, N) == [dense // 4] * N
     assert RandK(k).sent_bytes(x, N) == [2 * (N - 1) * 4 * k // N] * N
     assert TopK(k).sent_bytes(x, N) == [(N - 1) * k * (4 + 8)] * N
-    assert QSGD(4).sent_bytes(x, N) == [(N - 1) * (4 + d)] * N
+    assert QSGD(4).sent_bytes(x, N) == FP8().sent_bytes(x, N) == [(N - 1) * (4 + d)] * N
     # PowerSGD: (n + m) r elements of a 40 x 25 matrix in two ring all-reduces (N divides n r and m r)
     assert PowerSGD(4).sent_bytes(x.view(40, 25), N) == [2 * (N - 1) * 4 * (40 + 25) * 4 // N] * N
 
@@ -185,7 +193,7 @@ def test_powersgd_sizes_are_torchs_rule():
 
 # one of each compressor class that parlab.compression exports (the abstract Compressor aside)
 EVERY_COMPRESSOR = {
-    "BF16": BF16, "FP16": FP16, "Identity": Identity, "QSGD": lambda: QSGD(4), "RandK": lambda: RandK(10),
+    "BF16": BF16, "FP8": FP8, "FP16": FP16, "Identity": Identity, "QSGD": lambda: QSGD(4), "RandK": lambda: RandK(10),
     "ScaledSign": ScaledSign, "SignSGD": SignSGD, "TernGrad": TernGrad, "TopK": lambda: TopK(10),
     "PowerSGD": lambda: PowerSGD(2), "ErrorFeedback": lambda: ErrorFeedback(TopK(10)),
 }

@@ -15,6 +15,7 @@ from parlab.bench.compression_experiments import SIGN_METHODS, sign_descent, tor
 from parlab.collectives import ring_all_reduce
 from parlab.compression import (
     BF16,
+    FP8,
     FP16,
     QSGD,
     ErrorFeedback,
@@ -32,8 +33,9 @@ from parlab.ddp import DDP
 
 D, K = 48, 4  # 2 and 4 divide both: the ring's chunks are even and the formulas exact
 COMPRESSORS = {
-    "Identity": Identity, "FP16": FP16, "BF16": BF16, "RandK": lambda: RandK(K, seed=3), "TopK": lambda: TopK(K),
-    "QSGD": lambda: QSGD(4), "TernGrad": TernGrad, "ScaledSign": ScaledSign, "SignSGD": SignSGD,
+    "Identity": Identity, "FP16": FP16, "BF16": BF16, "FP8": FP8, "RandK": lambda: RandK(K, seed=3),
+    "TopK": lambda: TopK(K), "QSGD": lambda: QSGD(4), "TernGrad": TernGrad, "ScaledSign": ScaledSign,
+    "SignSGD": SignSGD,
     "PowerSGD": lambda: PowerSGD(2, min_compression_rate=1), "EF(TopK)": lambda: ErrorFeedback(TopK(K)),
 }
 
@@ -70,7 +72,8 @@ def test_aggregate_is_the_mean_of_the_reconstructions_and_its_traffic_the_formul
     formulas = {
         "Identity": 2 * (N - 1) * 4 * D // N, "FP16": 2 * (N - 1) * 2 * D // N, "BF16": 2 * (N - 1) * 2 * D // N,
         "RandK": 2 * (N - 1) * 4 * K // N, "TopK": (N - 1) * K * (4 + 8), "QSGD": (N - 1) * (4 + D),
-        "TernGrad": (N - 1) * (4 + D), "ScaledSign": (N - 1) * (4 + D), "SignSGD": 2 * (N - 1) * D // N,
+        "TernGrad": (N - 1) * (4 + D), "ScaledSign": (N - 1) * (4 + D), "FP8": (N - 1) * (4 + D),
+        "SignSGD": 2 * (N - 1) * D // N,
         "PowerSGD": 2 * (N - 1) * 4 * (8 + 6) * 2 // N, "EF(TopK)": (N - 1) * K * (4 + 8),
     }
     for name in names:
@@ -81,7 +84,7 @@ def test_aggregate_is_the_mean_of_the_reconstructions_and_its_traffic_the_formul
     for name in names:
         assert all(torch.equal(means[r][name], means[0][name]) for r in range(N)), f"{name}: the ranks differ"
     eps = torch.finfo(torch.float32).eps
-    for name in ("Identity", "TopK", "RandK", "QSGD", "TernGrad", "ScaledSign", "EF(TopK)"):
+    for name in ("Identity", "TopK", "RandK", "QSGD", "TernGrad", "ScaledSign", "FP8", "EF(TopK)"):
         expected = sum(owns[name]) / N
         # the ring sums in other orders than this sum (at most N - 1 roundings of the sum of
         # magnitudes) and random-k scales by d/k after the sum instead of before (two more)

@@ -5,6 +5,7 @@ communication hooks for parlab's and torch's DDP (``hooks``)."""
 
 from parlab.compression.compressors import (
     BF16,
+    FP8,
     FP16,
     QSGD,
     Compressor,
@@ -20,5 +21,5 @@ from parlab.compression.costs import topk_pays
 from parlab.compression.hooks import parlab_hook, torch_hook
 from parlab.compression.powersgd import PowerSGD, orthogonalize
 
-__all__ = ["BF16", "FP16", "QSGD", "Compressor", "ErrorFeedback", "Identity", "PowerSGD", "RandK", "ScaledSign",
+__all__ = ["BF16", "FP8", "FP16", "QSGD", "Compressor", "ErrorFeedback", "Identity", "PowerSGD", "RandK", "ScaledSign",
            "SignSGD", "TernGrad", "TopK", "orthogonalize", "parlab_hook", "topk_pays", "torch_hook"]
