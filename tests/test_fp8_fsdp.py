@@ -66,13 +66,13 @@ def test_the_fp8_gather_sends_half_the_bytes_of_bf16(world, request):
     shards = sum(bf16.results[0])
     assert sent_while(bf16, "all-gather") == [(N - 1) * shards * 2] * N  # a ring: N - 1 shards of 2 bytes each
     assert sent_while(e4m3, "all-gather") == [(N - 1) * shards] * N  # of 1 byte: exactly half
-    assert sent_while(bf16, "all-reduce amax") == [0] * N
+    assert sent_while(bf16, "amax") == [0] * N
     # the scales' price, beside: ONE ring all-gather of all 8 parameters' amaxes (4 bytes each),
     # N - 1 messages of 32 bytes per rank, at construction and at the forward's start, and none
     # on the unshards' path (made per unshard, it cost every unit's gather 2 (N - 1) messages)
-    amax_spans = [len(e4m3.select(rank=rank, name="all-reduce amax")) for rank in range(N)]
+    amax_spans = [len(e4m3.select(rank=rank, name="amax")) for rank in range(N)]
     assert amax_spans == [2] * N
-    assert sends_while(e4m3, "all-reduce amax") == [[8 * 4] * 2 * (N - 1)] * N
+    assert sends_while(e4m3, "amax") == [[8 * 4] * 2 * (N - 1)] * N
 
 
 def gathered_and_quantised(mixed_precision):

@@ -200,13 +200,13 @@ def make_fp8_scales(units):
     rank: S - 1 messages of 4 P bytes (P parameters over all units) instead of the ring
     all-reduce's 2 (S - 1) of 4 P / S: the all-gather is the faster while 4 P (S - 2) / S
     bytes take less than alpha, P < alpha / (4 beta) x S / (S - 2) (1000 parameters at S = 4
-    on a 100 us, 20 MB/s link). Traced as one "all-reduce amax" span."""
+    on a 100 us, 20 MB/s link). Traced as one "amax" span (an all-gather, then the max)."""
     units = [unit for unit in units if unit.gather_dtype is not None]
     if not units:
         return
     S, group = units[0].layout.world_size, units[0].shard_group  # every unit gathered in fp8 shards over it
     counts = [len(unit.layout.shapes) for unit in units]
-    with trace.span("all-reduce amax"):
+    with trace.span("amax"):
         amaxes = torch.zeros(S, sum(counts), device=units[0].device)  # (S, P): row s, shard s's amaxes
         amaxes[units[0].rank] = torch.cat([unit.shard_amaxes() for unit in units])
         if S > 1:

@@ -8,18 +8,9 @@ all_gather_dtype=torch.float8_e4m3fn)``), under the emulated link, beside the al
 of the step's communication plus the step's measured time outside its collectives
 (``step_model``).
 
-Why the fp8 step was once slower than bf16's: each unshard all-reduced its parameters' amaxes
-before gathering, 2 (N - 1) messages of a few bytes on the critical path, twice per unit and
-step. On a 2-core laptop each such message costs the ranks' wake-ups (milliseconds when the
-cores are busy), not the link's alpha of 100 us: traced at N = 2, the 8 amax all-reduces
-took 33 ms of an 84 ms step. The engine now makes every unit's scales once per forward
-(``parlab.zero.flat_unit.make_fp8_scales``, as torchao's
-``precompute_float8_dynamic_scale_for_fsdp``), with an all-gather of the amaxes: N - 1
-messages, which the model counts once per step. Traced at N = 4 on that laptop with one core
-busy elsewhere, every message, 8 bytes or 32 kB, took 2 to 4 ms of real time (a tiny ring
-all-reduce without a link: 3.3 to 4 ms per message), so the 2 (N - 1) = 6 messages of the
-all-reduce it replaced took 9 to 36 ms of a 100 to 200 ms step, and fp8's halved gather
-bytes saved little where the link's time per message (0.9 ms at 20 MB/s) is below that.
+The fp8 step makes every unit's scales once per forward with one all-gather of the amaxes,
+N - 1 messages (``parlab.zero.flat_unit.make_fp8_scales``, as torchao's
+``precompute_float8_dynamic_scale_for_fsdp``), which the model counts once per step.
 
 An emulated message takes at least its real time: where the machine's own step (no link
 emulated: N ranks' arithmetic, casts and wake-ups sharing the cores) is slower than the
@@ -40,7 +31,7 @@ from parlab.trace import COMPUTE
 from parlab.zero.fsdp import FSDP
 
 GATHERS = {"bf16": None, "fp8 E4M3": E4M3}
-COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce amax")  # the engine's spans of its collectives
+COLLECTIVES = ("all-gather", "reduce-scatter", "amax")  # the engine's spans of its collectives
 
 
 def gather_step_times(cluster, link, hidden=256, depth=4, batch_size=4, steps=3, timeout=120):

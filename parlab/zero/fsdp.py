@@ -75,7 +75,7 @@ class FSDP(nn.Module):
     ``all_gather_dtype=torch.float8_e4m3fn``: the unshards gather the parameters in fp8, one
     byte per element, with a scale per parameter (torchao's float8 all-gather;
     ``FlatUnit._gather_in_fp8``), into the compute dtype; gradients are reduce-scattered in it.
-    The scales of all units come from one all-reduce at the start of each forward
+    The scales of all units come from one exchange of amaxes at the start of each forward
     (``parlab.zero.flat_unit.make_fp8_scales``).
     ``cpu_offload=True``: the shards, their gradients and the optimizer state in CPU memory.
     ``init_fn``, ``init_seed``: a model built on the meta device (``__init__``). ``replicate(name,
@@ -167,7 +167,7 @@ class FSDP(nn.Module):
         if self.mixed_precision is not None:
             args, kwargs = tree_map(self._cast_input, (args, kwargs))
         self.entered = self.returned = None  # a new forward: its order is learned afresh
-        make_fp8_scales(self.units)  # one all-reduce for every unit's fp8 scales, off the unshards' path
+        make_fp8_scales(self.units)  # one collective for every unit's fp8 scales, off the unshards' path
         with trace.span("forward"):
             output = self.module(*args, **kwargs)
         for unit in self.units:  # prefetched for a forward that did not run it (its order changed)
