@@ -6,13 +6,13 @@ checkpoint on the same ranks or on fewer, and end where the uninterrupted run en
     recovery["steps_lost"]                            # 2: steps 4 and 5 are computed twice
     recovery["uninterrupted"], recovery["resumed"]    # the final parameters of both runs
 
-The training (``train``, run on every rank) is ZeRO stage 2 (``parlab.zero.ZeroDP``) with
-Adam on a small MLP. Its data order does not depend on the world size N: step j's global
-batch of B samples is drawn from a generator seeded with j, and rank r takes its slice
-``chunk(N)[r]`` (B / N samples). Each rank's mean loss over its slice, averaged over the N
-ranks, is the mean loss of the whole batch, so any N computes the gradient of the same loss
-and the run's mathematics is one process's; only the order of the gradients' sums changes
-with N (``parlab.numerics``).
+The training (``train``, run on every rank) is ZeRO stage 2 (``parlab.zero.ZeroDP``) or
+FSDP FULL_SHARD (``parlab.zero.FSDP``, ``engine="fsdp"``) with Adam on a small MLP. Its data
+order does not depend on the world size N: step j's global batch of B samples is drawn from
+a generator seeded with j, and rank r takes its slice ``chunk(N)[r]`` (B / N samples). Each
+rank's mean loss over its slice, averaged over the N ranks, is the mean loss of the whole
+batch, so any N computes the gradient of the same loss and the run's mathematics is one
+process's; only the order of the gradients' sums changes with N (``parlab.numerics``).
 
 After step j (counting from 0) with (j + 1) a multiple of I, every rank writes its shard
 (``parlab.zero.checkpoint.save_sharded``, no communication but a barrier) into
@@ -21,10 +21,11 @@ rename: a failure while the files are written leaves the previous checkpoint as 
 A failure at step f loses f - I floor(f / I) steps of work (they are computed again).
 
 A sharded checkpoint fits its own N only: rank r's file holds shard r of the flat
-parameters and of Adam's two moments. ``reshard`` rewrites it for N' ranks without a
-process group: it lays the N shards end to end (the padded flat buffer), drops the padding
-and cuts the Psi elements into N' shards, padded to a multiple of N' (``parlab.flat``).
-Adam acts elementwise, so the N' ranks step exactly the elements the N ranks stepped.
+parameters and of Adam's two moments (FSDP: of each unit's). ``reshard`` rewrites it for N'
+ranks without a process group: it lays the N shards end to end (the padded flat buffer),
+drops the padding and cuts the Psi elements into N' shards, padded to a multiple of N'
+(``parlab.flat``); FSDP does so unit by unit. Adam acts elementwise, so the N' ranks step
+exactly the elements the N ranks stepped.
 """
 
 import json
@@ -40,7 +41,9 @@ from parlab.flat import FlatLayout
 from parlab.numerics import backward_in_shards, ring_orders
 from parlab.runtime import RankError
 from parlab.zero.checkpoint import METADATA, load_sharded, save_sharded
+from parlab.zero.fsdp import FSDP
 from parlab.zero.stages import ZeroDP
+from parlab.zero.units import REPLICATED_NAME
 
 BATCH, FEATURES, HIDDEN, OUTPUTS = 8, 6, 16, 3  # B a multiple of every N used: 1, 2, 4, 8
 LATEST = "latest"
@@ -59,16 +62,18 @@ def global_batch(step, batch=BATCH):
     return torch.randn(batch, FEATURES, generator=generator), torch.randn(batch, OUTPUTS, generator=generator)
 
 
-def train(steps, interval=None, directory=None, start=0, resume_from=None, faults=None, lr=1e-2, batch=BATCH):
-    """Run on every rank: steps ``start`` .. ``steps`` - 1 of ZeRO stage 2 with Adam, loading
-    the sharded checkpoint ``resume_from`` first (written after step ``start`` - 1) when given,
-    checkpointing every ``interval`` steps into ``directory``, calling ``faults.at(step)``
-    before each step. Returns {name: final full parameter} on every rank."""
+def train(steps, interval=None, directory=None, start=0, resume_from=None, faults=None, lr=1e-2, batch=BATCH,
+          engine="zero2"):
+    """Run on every rank: steps ``start`` .. ``steps`` - 1 of ``engine`` ("zero2": ZeRO stage 2,
+    "fsdp": FSDP FULL_SHARD with a unit per layer) with Adam, loading the sharded checkpoint
+    ``resume_from`` first (written after step ``start`` - 1) when given, checkpointing every
+    ``interval`` steps into ``directory``, calling ``faults.at(step)`` before each step.
+    Returns {name: final full parameter} on every rank."""
     world_size, rank = dist.get_world_size(), dist.get_rank()
     if batch % world_size:
         raise ValueError(f"the global batch B = {batch} does not split into {world_size} equal slices: choose "
                          f"B a multiple of the world size, so that every world size trains on the same batches.")
-    engine = ZeroDP(build_model(), torch.optim.Adam, stage=2, lr=lr)
+    engine = build_engine(engine, lr)
     if resume_from is not None:
         load_sharded(engine, resume_from)
     for step in range(start, steps):
@@ -81,6 +86,17 @@ def train(steps, interval=None, directory=None, start=0, resume_from=None, fault
         if interval and (step + 1) % interval == 0:
             checkpoint(engine, directory, step + 1)
     return engine.full_parameters()
+
+
+def build_engine(engine, lr):
+    """``build_model()`` in the engine named ``engine``, with Adam. Both reduce the gradients by
+    ring reduce-scatters of their mean (ZeroDP's flat buffer, FSDP's each unit's), so either
+    computes the same Adam step on the global batch's mean gradient (``recovery_yardstick``)."""
+    if engine == "zero2":
+        return ZeroDP(build_model(), torch.optim.Adam, stage=2, lr=lr)
+    if engine == "fsdp":
+        return FSDP(build_model(), torch.optim.Adam, strategy="FULL_SHARD", wrap_policy="per_layer", lr=lr)
+    raise ValueError(f"engine must be 'zero2' (ZeRO stage 2) or 'fsdp' (FSDP FULL_SHARD), got {engine!r}: pick one.")
 
 
 def checkpoint(engine, directory, step):
@@ -112,7 +128,7 @@ def train_with_failure(cluster, steps, interval, fail_at, directory, lost_rank=N
     (default: the last) killed at step ``fail_at`` while checkpointing every ``interval``
     steps into ``directory``; then resume from the last checkpoint on ``resume_on``
     (another cluster, e.g. with fewer ranks; default: ``cluster``, whose dead worker was
-    replaced), resharded when its N differs. ``options`` go to ``train`` (lr, batch).
+    replaced), resharded when its N differs. ``options`` go to ``train`` (lr, batch, engine).
 
     Returns {"uninterrupted", "resumed": {name: final parameter}, "failure": the RankError's
     first line, "checkpoint_step": k, the step resumed from, "steps_lost": fail_at - k,
@@ -143,43 +159,89 @@ def train_with_failure(cluster, steps, interval, fail_at, directory, lost_rank=N
 
 
 def reshard(source, target, world_size):
-    """Rewrite the sharded ZeroDP (stage 1 or 2) checkpoint in ``source`` for ``world_size``
-    ranks (N') into ``target``, in this process, without communication. Returns ``target``.
+    """Rewrite the sharded checkpoint in ``source`` for ``world_size`` ranks (N') into
+    ``target``, in this process, without communication. Returns ``target``.
 
-    Each tensor of a rank's shard size (the parameters' ``flat_shard``, Adam's ``exp_avg``
-    and ``exp_avg_sq``) is concatenated over the N files in rank order (N shards = the
-    padded flat buffer), cut to its Psi elements and laid out again by
-    ``FlatLayout(shapes, N')``; the rest (Adam's step, the options, frozen tensors) is copied."""
+    ZeroDP stages 1 and 2: one flat buffer. FSDP under FULL_SHARD or SHARD_GRAD_OP (the same
+    shards: they differ only in when a unit reshards) or NO_SHARD: one flat buffer per unit;
+    a unit kept whole (``replicate=``) stays whole. Each tensor of a shard's size (the
+    parameters' shard, Adam's ``exp_avg`` and ``exp_avg_sq``) is concatenated over the S
+    shards of one shard group in rank order (the padded flat buffer), cut to its Psi
+    elements and laid out again by ``FlatLayout(shapes, S')``; the rest (Adam's step, the
+    options, frozen tensors, buffers) is copied. The layouts written are those of the same
+    engine built on N' ranks (``parlab.zero.checkpoint._layout``), so ``load_sharded`` takes
+    them."""
     with open(os.path.join(source, METADATA)) as file:
         metadata = json.load(file)
     saved = [torch.load(os.path.join(source, f"rank{r}.pt")) for r in range(metadata["world_size"])]
     layout = saved[0]["layout"]
-    if layout.get("engine") != "ZeroDP" or layout.get("stage") not in (1, 2):
-        raise ValueError(f"reshard rewrites checkpoints of ZeroDP stages 1 and 2, not of {layout}: for another "
-                         "engine or stage, save a full checkpoint (save_full) and load it with load_full.")
-    new = FlatLayout(layout["shapes"], world_size)
-    old_shard = saved[0]["model"]["flat_shard"].numel()
-
-    def cut(pieces):  # N shards, rank order -> N' shards (padded flat of the new layout)
-        flat = torch.cat(pieces)[:new.numel]  # (Psi,)
-        padded = torch.cat([flat, flat.new_zeros(new.padded_numel - new.numel)])  # (padded Psi for N')
-        return [padded[r * new.shard_numel:(r + 1) * new.shard_numel].clone() for r in range(world_size)]
-
-    shards = cut([s["model"]["flat_shard"] for s in saved])
-    states = {key: cut([s["optimizer"]["state"][0][key] for s in saved])
-              for key, value in saved[0]["optimizer"]["state"].get(0, {}).items()
-              if key != "step" and torch.is_tensor(value) and value.shape == (old_shard,)}
+    if layout.get("engine") == "ZeroDP" and layout.get("stage") in (1, 2):
+        files = _reshard_zero(saved, world_size)
+    elif layout.get("engine") == "FSDP" and layout.get("strategy") in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+        files = _reshard_fsdp(saved, world_size)
+    else:  # HYBRID_SHARD's shard group size on N' ranks is a choice the files cannot make
+        kind = f"{layout.get('engine')} {layout.get('stage', layout.get('strategy', ''))}".strip()
+        raise ValueError(f"reshard rewrites checkpoints of ZeroDP stages 1 and 2 and of FSDP under FULL_SHARD, "
+                         f"SHARD_GRAD_OP or NO_SHARD, not of {kind}: for another engine, stage or strategy, save a "
+                         "full checkpoint (save_full) and load it with load_full.")
     os.makedirs(target, exist_ok=True)
-    layouts = []
-    for r in range(world_size):
-        state = dict(saved[0]["optimizer"]["state"].get(0, {}), **{key: cuts[r] for key, cuts in states.items()})
-        optimizer = {**saved[0]["optimizer"], "state": {0: state} if state else {}}
-        layouts.append({**layout, "world_size": world_size, "rank": r})
-        torch.save({"model": {**saved[0]["model"], "flat_shard": shards[r]}, "optimizer": optimizer,
-                    "layout": layouts[-1]}, os.path.join(target, f"rank{r}.pt"))
+    for r, state_dict in enumerate(files):
+        torch.save(state_dict, os.path.join(target, f"rank{r}.pt"))
     with open(os.path.join(target, METADATA), "w") as file:
-        json.dump({"world_size": world_size, "layouts": layouts}, file, indent=1, default=str)
+        json.dump({"world_size": world_size, "layouts": [f["layout"] for f in files]}, file, indent=1, default=str)
     return target
+
+
+def _reshard_zero(saved, world_size):
+    """ZeroDP: the N ranks' files -> the N' ranks' (one flat shard, optimizer param 0)."""
+    layout, model, optimizer = saved[0]["layout"], saved[0]["model"], saved[0]["optimizer"]
+    new = FlatLayout(layout["shapes"], world_size)
+    shards = _cut([s["model"]["flat_shard"] for s in saved], new)
+    states = _cut_states([s["optimizer"]["state"].get(0, {}) for s in saved], model["flat_shard"].numel(), new)
+    return [{"model": {**model, "flat_shard": shards[r]},
+             "optimizer": {**optimizer, "state": {0: states[r]} if states[r] else {}},
+             "layout": {**layout, "world_size": world_size, "rank": r}} for r in range(world_size)]
+
+
+def _reshard_fsdp(saved, world_size):
+    """FSDP: unit i (optimizer param i) is sharded over S ranks, S' after (1 for a unit kept
+    whole and under NO_SHARD); ranks g S .. g S + S - 1 hold its S shards, every group the same."""
+    layout, model, optimizer = saved[0]["layout"], saved[0]["model"], saved[0]["optimizer"]
+    shards, states, units = {}, {}, []
+    for i, unit in enumerate(layout["units"]):
+        whole = unit["name"].rpartition(".")[2] == REPLICATED_NAME or layout["strategy"] == "NO_SHARD"
+        S = 1 if whole else layout["shard_group_size"]
+        new = FlatLayout(unit["shapes"], 1 if whole else world_size)
+        shards[unit["name"]] = _cut([s["model"]["shards"][unit["name"]] for s in saved[:S]], new)
+        states[i] = _cut_states([s["optimizer"]["state"].get(i, {}) for s in saved[:S]],
+                                unit["padded_numel"] // S, new)
+        units.append(new)
+    files = []
+    for r in range(world_size):
+        place = [r % new.world_size for new in units]  # this rank's shard of each unit
+        files.append({
+            "model": {**model, "shards": {name: cuts[p] for (name, cuts), p in zip(shards.items(), place)}},
+            "optimizer": {**optimizer, "state": {i: states[i][p] for i, p in enumerate(place) if states[i][p]}},
+            "layout": {**layout, "world_size": world_size, "rank": r,
+                       "shard_group_size": 1 if layout["strategy"] == "NO_SHARD" else world_size,
+                       "units": [{**unit, "padded_numel": new.padded_numel, "shard_bounds": list(new.shard_bounds(p))}
+                                 for unit, new, p in zip(layout["units"], units, place)]}})
+    return files
+
+
+def _cut(pieces, new):
+    """S shards in rank order -> the S' shards of the ``new`` layout (padded for S')."""
+    flat = torch.cat(pieces)[:new.numel]  # (Psi,)
+    padded = torch.cat([flat, flat.new_zeros(new.padded_numel - new.numel)])  # (padded Psi for S')
+    return [padded[r * new.shard_numel:(r + 1) * new.shard_numel].clone() for r in range(new.world_size)]
+
+
+def _cut_states(states, shard_numel, new):
+    """One optimizer param's state on each of the S old shards -> on each of the S' new: the
+    tensors of a shard's size cut, anything else (Adam's step) copied. [{}] x S' if none."""
+    cuts = {key: _cut([s[key] for s in states], new) for key, value in states[0].items()
+            if key != "step" and torch.is_tensor(value) and value.shape == (shard_numel,)}
+    return [{**states[0], **{key: pieces[r] for key, pieces in cuts.items()}} for r in range(new.world_size)]
 
 
 def in_one_process(steps, shards_at, lr=1e-2, batch=BATCH):
