@@ -3,9 +3,9 @@ choose how often to checkpoint.
 
 - ``injection``: ``Faults(kill={rank: step}, hang={rank: step})``, called each step with
   ``.at(step)``: a rank SIGKILLs its own process or blocks for good;
-- ``resume``: ZeRO training that checkpoints every I steps (``train``), ``reshard`` of a
-  sharded checkpoint for N' ranks, and ``train_with_failure``: uninterrupted against killed
-  and resumed, on the same or fewer ranks;
+- ``resume``: ZeRO stage 2 or FSDP training that checkpoints every I steps (``train``),
+  ``reshard`` of a sharded checkpoint (ZeroDP stages 1-2, FSDP) for N' ranks, and
+  ``train_with_failure``: uninterrupted against killed and resumed, on the same or fewer ranks;
 - ``elastic``: the same under ``torchrun --max-restarts 1`` (``python -m parlab.failures.elastic``);
 - ``young_daly``: the checkpoint interval of Young (1974) and Daly (2006), the goodput
   model and a simulation of runs with failures at a declared MTBF;

@@ -214,7 +214,7 @@ def _reshard_fsdp(saved, world_size):
         new = FlatLayout(unit["shapes"], 1 if whole else world_size)
         shards[unit["name"]] = _cut([s["model"]["shards"][unit["name"]] for s in saved[:S]], new)
         states[i] = _cut_states([s["optimizer"]["state"].get(i, {}) for s in saved[:S]],
-                                unit["padded_numel"] // S, new)
+                                model["shards"][unit["name"]].numel(), new)
         units.append(new)
     files = []
     for r in range(world_size):
@@ -262,7 +262,10 @@ def in_one_process(steps, shards_at, lr=1e-2, batch=BATCH):
 def recovery_yardstick(steps, checkpoint_step, world_sizes, lr=1e-2, batch=BATCH):
     """(reference, decomposed) for ``parlab.numerics.rounding_band``: one process on the full
     batches, and one process in the ranks' arithmetic for every pair of ring orders: N
-    slices up to ``checkpoint_step``, N' after (``world_sizes`` = (N, N'))."""
+    slices up to ``checkpoint_step``, N' after (``world_sizes`` = (N, N')). The same for both
+    engines: ZeroDP stage 2 (``parlab.zero.buckets``) and FSDP (``FlatUnit.reduce_gradient``) each
+    reduce-scatter the ranks' gradients in a ring with op "avg", each element summed in one
+    of ``ring_orders(N)`` and divided by N, as ``backward_in_shards`` sums and divides."""
     before, after = world_sizes
     reference = in_one_process(steps, [(1, None)] * steps, lr, batch)
     decomposed = [in_one_process(steps, [(before, o)] * checkpoint_step + [(after, o2)] * (steps - checkpoint_step),
