@@ -204,6 +204,7 @@ COMPUTE_COLOURS = {
     "gradients to host": "rosybrown",
     "attention": "sienna",  # context parallelism's blocks (lecture 09)
     "all-to-all": "darkorchid",  # Ulysses and the experts' dispatch and combine
+    "amax": "peru",  # FSDP's exchange of amaxes for its fp8 scales (lecture 10)
 }
 # A send and an isend are one kind of transfer, and so are a recv and an irecv.
 COMM_COLOURS = {"send": "tab:red", "isend": "tab:red", "recv": "tab:purple", "irecv": "tab:purple",
