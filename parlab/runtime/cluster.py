@@ -27,7 +27,7 @@ from multiprocessing.connection import wait
 from parlab.runtime import capacity, emulation
 from parlab.runtime import placement as placement_rules
 from parlab.runtime.errors import RankError, RankTimeout
-from parlab.runtime.pool import WorkerPool
+from parlab.runtime.pool import DEATHS_SETTLE_S, WorkerPool
 from parlab.runtime.process import waited_for_a_cpu_s
 
 # After the first rank fails, the others get this long to finish before they are taken for
@@ -194,7 +194,7 @@ class Cluster:
         once, as a RankError, and replaced, so the next call works; the call itself does not
         run."""
         lost = self._pool.take_lost()  # when one is lost re-joining, every worker is replaced
-        dead = self._pool.dead_ranks()
+        dead = self._pool.dead_ranks(settle_s=DEATHS_SETTLE_S)
         unreachable = [] if lost or dead else self._pool.send_all(message)
         found = sorted(set(dead) | set(unreachable))
         if not lost and not found:

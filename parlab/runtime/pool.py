@@ -15,6 +15,7 @@ from parlab.runtime.errors import readable_stack
 from parlab.runtime.process import WorkerProcess, read_from
 
 STACK_DUMP_WAIT_S = 2.0
+DEATHS_SETTLE_S = 1.0  # how long the exits of workers that died together may take to arrive
 EXIT_WAIT_S = 5.0
 
 
@@ -153,8 +154,17 @@ class WorkerPool:
     def rank_of(self, conn):
         return [worker.conn for worker in self._workers].index(conn)
 
-    def dead_ranks(self):
-        return [rank for rank, worker in enumerate(self._workers) if worker.dead()]
+    def dead_ranks(self, settle_s=0.0):
+        """The ranks whose worker has ended. With ``settle_s``, once one has, the others get
+        that long to be found ended too: a forked worker's exit reaches this process through
+        the fork server, a moment after it happens, and workers that die together (a lost
+        node, two killed by hand) are then named together, not one call after another."""
+        dead = [rank for rank, worker in enumerate(self._workers) if worker.dead()]
+        deadline = time.monotonic() + settle_s
+        while dead and len(dead) < len(self._workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            dead = [rank for rank, worker in enumerate(self._workers) if worker.dead()]
+        return dead
 
     def state(self):
         """In words: "closed", "restarting" (workers not all joined yet), "running", or which
