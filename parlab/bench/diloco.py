@@ -98,7 +98,7 @@ def bench_diloco(world_size=4, steps=32, compute_s=0.02, links=None, d=2**18, H=
 
 def method_row(method, curve, target, compute_s, predicted_s):
     """One method's row from its curve [(seconds, inner step, loss)]."""
-    reached = next(((seconds, step) for seconds, step, loss in curve if loss <= target), (None, None))
+    reached = training.time_to_loss(curve, target)
     return {"method": method, "seconds": curve[-1][0], "time_to_target": reached[0], "steps_to_target": reached[1],
             "final_loss": curve[-1][2], "communication_share": training.communication_share(curve, compute_s),
             "seconds_per_step": curve[-1][0] / curve[-1][1], "predicted_seconds_per_step": predicted_s,

@@ -127,8 +127,9 @@ def curve_of(results):
 
 
 def time_to_loss(curve, target):
-    """Seconds from the start until the curve's loss is first at or below ``target``; None if never."""
-    return next((seconds for seconds, _, loss in curve if loss <= target), None)
+    """(seconds from the start, inner step) where the curve's loss is first at or below
+    ``target``; (None, None) if never."""
+    return next(((seconds, step) for seconds, step, loss in curve if loss <= target), (None, None))
 
 
 def communication_share(curve, compute_s):

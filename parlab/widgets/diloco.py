@@ -73,12 +73,13 @@ def crossover_sentence(steps, H, latency, compute_s, payload_bytes, N):
 
 def plot_wall_time_to_loss(curves, target, H, latency, compute_s, payload_bytes, N, measured=None, ax=None):
     """Predicted wall time to reach ``target`` against the link's bandwidth 1/beta (log-log,
-    ``BANDWIDTHS``) for DDP and for DiLoCo at ``H``: S (from the measured ``curves``) times
-    ``costs.seconds_per_step`` on Link(``latency``, 1/beta), with t_c = ``compute_s``, P =
-    ``payload_bytes`` and N replicas. The crossover bandwidth (``costs.crossover``) is a
-    vertical line when finite. ``measured``: (method, H, latency, bandwidth, seconds) times to
-    the target under emulated links, drawn as points where they belong to these lines: DDP's and
-    DiLoCo's at this H, measured at a latency within ``SAME_LATENCY`` of ``latency``. Returns the axes."""
+    ``BANDWIDTHS``) for DDP and for DiLoCo at ``H``: ``costs.wall_time_to_loss``, S (from
+    the measured ``curves``) times ``costs.seconds_per_step`` on Link(``latency``, 1/beta),
+    with t_c = ``compute_s``, P = ``payload_bytes`` and N replicas. The crossover bandwidth
+    (``costs.crossover``) is a vertical line when finite. ``measured``: (method, H, latency,
+    bandwidth, seconds) times to the target under emulated links, drawn as points where they
+    belong to these lines: DDP's and DiLoCo's at this H, measured at a latency within
+    ``SAME_LATENCY`` of ``latency``. Returns the axes."""
     import matplotlib.pyplot as plt
 
     steps = steps_to_target(curves, target)
@@ -87,8 +88,8 @@ def plot_wall_time_to_loss(curves, target, H, latency, compute_s, payload_bytes,
     if ax is None:
         _, ax = plt.subplots(figsize=FIGSIZE, layout="constrained")
     for method, key, label in (("ddp", "ddp", "DDP"), ("diloco", ("diloco", H), f"DiLoCo, H = {H}")):
-        seconds = [steps[key] * costs.seconds_per_step(method, Link(latency, bandwidth), compute_s, payload_bytes, N,
-                                                       H=1 if method == "ddp" else H) for bandwidth in BANDWIDTHS]
+        seconds = [costs.wall_time_to_loss(curves[key], target, method, Link(latency, bandwidth), compute_s,
+                                           payload_bytes, N, H=1 if method == "ddp" else H) for bandwidth in BANDWIDTHS]
         ax.plot(BANDWIDTHS, seconds, color=STYLES[method]["color"], lw=2, label=f"model: {label}, S = {steps[key]}")
         points = [(b, s) for m, h, alpha, b, s in measured or () if m == method and (method == "ddp" or h == H)
                   and 1 / SAME_LATENCY <= alpha / latency <= SAME_LATENCY]
