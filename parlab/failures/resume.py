@@ -233,7 +233,7 @@ def _cut(pieces, new):
     """S shards in rank order -> the S' shards of the ``new`` layout (padded for S')."""
     flat = torch.cat(pieces)[:new.numel]  # (Psi,)
     padded = torch.cat([flat, flat.new_zeros(new.padded_numel - new.numel)])  # (padded Psi for S')
-    return [padded[r * new.shard_numel:(r + 1) * new.shard_numel].clone() for r in range(new.world_size)]
+    return [new.shard(padded, r).clone() for r in range(new.world_size)]
 
 
 def _cut_states(states, shard_numel, new):
