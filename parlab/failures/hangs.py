@@ -42,6 +42,8 @@ import pickle
 import torch
 import torch.distributed as dist
 
+from parlab import p2p
+
 
 def mismatched_collective(group=None):
     """Rank 0 all-reduces a tensor of 3 ones while the others broadcast one from rank 0:
@@ -50,7 +52,7 @@ def mismatched_collective(group=None):
     if dist.get_rank(group) == 0:
         dist.all_reduce(tensor, group=group)
     else:
-        dist.broadcast(tensor, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        dist.broadcast(tensor, p2p.global_rank(group, 0), group=group)
     return tensor
 
 
