@@ -56,13 +56,14 @@ def isend(tensor, dst, tag=0, op="isend"):
     start = trace.now()
     _remember_sent(tensor, dst)
     header = None
-    if emulation.shapes_links():
-        # The emulated link: this rank's outgoing port decides when the message may leave
-        # (ready) and when the port is free again (done); the receiver needs ready.
-        ready, done = emulation.departure(dst, _nbytes(tensor))
-        ready = torch.tensor([ready], dtype=torch.float64)
-        header = (dist.isend(ready, dst, tag=tag, group=emulation.header_group()), ready, done)
-    work = dist.isend(_staged(tensor), dst, tag=tag)
+    with _connection_lost(f"{op} to", dst):  # gloo may find the peer gone as it posts, not only in wait()
+        if emulation.shapes_links():
+            # The emulated link: this rank's outgoing port decides when the message may leave
+            # (ready) and when the port is free again (done); the receiver needs ready.
+            ready, done = emulation.departure(dst, _nbytes(tensor))
+            ready = torch.tensor([ready], dtype=torch.float64)
+            header = (dist.isend(ready, dst, tag=tag, group=emulation.header_group()), ready, done)
+        work = dist.isend(_staged(tensor), dst, tag=tag)
     return Request(work, op, dst, tensor, None, start, header)
 
 
@@ -71,10 +72,11 @@ def irecv(tensor, src, tag=0, op="irecv"):
     start = trace.now()
     buffer = _staging_buffer(tensor)
     header = None
-    if emulation.shapes_links():
-        ready = torch.empty(1, dtype=torch.float64)
-        header = (dist.irecv(ready, src, tag=tag, group=emulation.header_group()), ready, None)
-    work = dist.irecv(buffer, src, tag=tag)
+    with _connection_lost(f"{op} from", src):  # gloo may find the peer gone as it posts, not only in wait()
+        if emulation.shapes_links():
+            ready = torch.empty(1, dtype=torch.float64)
+            header = (dist.irecv(ready, src, tag=tag, group=emulation.header_group()), ready, None)
+        work = dist.irecv(buffer, src, tag=tag)
     return Request(work, op, src, tensor, buffer, start, header)
 
 
